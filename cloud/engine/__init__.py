@@ -1,0 +1,14 @@
+"""Apiary's own PyTorch inference engine: paged KV cache, prefix caching, priority-preemptive batching.
+
+Knows nothing of MQTT or HTTP and takes model paths (GGUF file or Hugging Face folder), not
+registry names. Attention, norms, rotary and KV writes go through ``kernels.ops``.
+"""
+from cloud.engine.async_engine import AsyncEngine
+from cloud.engine.config import EngineConfig, ModelConfig
+from cloud.engine.errors import EngineError, EngineOverloaded, RequestRejected
+from cloud.engine.llm_engine import LLMEngine
+from cloud.engine.outputs import RequestMetrics, RequestOutput
+from cloud.engine.sampling_params import SamplingParams
+
+__all__ = ["AsyncEngine", "EngineConfig", "EngineError", "EngineOverloaded", "LLMEngine", "ModelConfig",
+           "RequestMetrics", "RequestOutput", "RequestRejected", "SamplingParams"]

