@@ -1,0 +1,55 @@
+"""The bridge's own configuration: the ``[bridge]`` section of the shared config file.
+
+Example::
+
+    [bridge]
+    name = "bridge-north"
+    default_site = "north-field"
+    buffer_size = 20000
+    [bridge.sites]          # device id -> site; unlisted devices go to default_site
+    7 = "orchard"
+    [bridge.thresholds.limits.hive_temp_c]
+    warn_high = 37.5        # merged over the defaults, field by field
+
+Every key can be overridden from the environment, e.g. ``APIARY__BRIDGE__BUFFER_SIZE=500``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from shared.config import load_section
+
+from firmware_bridge.thresholds import Thresholds
+
+Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+
+
+class BridgeSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: Name = "bridge-0"  # the bridge's node name on the state topic and its MQTT client id
+    default_site: Name = "site-0"
+    sites: dict[int, Name] = Field(default_factory=dict)  # device id -> site
+    node_prefix: Annotated[str, Field(max_length=58, pattern=r"^[A-Za-z0-9_.-]*$")] = "hive-"
+    buffer_size: int = Field(default=10_000, ge=1)  # events held while the broker is unreachable
+    max_in_flight: int = Field(default=100, ge=1)  # unacknowledged QoS 1 publishes before the bridge waits
+    state_interval_s: float = Field(default=10.0, gt=0)  # how often counters are published
+    idle_timeout_s: float = Field(default=0.25, gt=0)  # serial: a line this quiet ends any partial frame
+    thresholds: Thresholds = Field(default_factory=Thresholds)
+
+    def site_of(self, device_id: int) -> str:
+        return self.sites.get(device_id, self.default_site)
+
+    def node_of(self, device_id: int) -> str:
+        """The device's node name in topics and events, e.g. ``hive-0007``."""
+        return f"{self.node_prefix}{device_id:04d}"
+
+
+def load_settings(path: str | Path | None = None, *, environ: dict[str, str] | None = None,
+                  **explicit: Any) -> BridgeSettings:
+    """``[bridge]`` from the config file, then ``APIARY__BRIDGE__*`` variables (``environ``, default
+    ``os.environ``), then ``explicit`` (``None`` values ignored). Raises ``shared.config.ConfigError``."""
+    return load_section("bridge", BridgeSettings, path, environ=environ, **explicit)
