@@ -1,0 +1,231 @@
+"""The one kernel interface the engine calls: checks inputs, then dispatches to Triton or torch.
+
+``auto`` (the default) runs the Triton kernels on CUDA tensors and the torch references
+(``kernels.reference``) everywhere else. ``set_backend("torch"|"triton")`` or the env var
+``APIARY_KERNELS=torch|triton`` forces one; forcing Triton on CPU tensors works only under the
+Triton interpreter (``TRITON_INTERPRET=1``), which is how the kernels are tested without a GPU.
+Every bad input raises ``kernels.errors.KernelError``. Checks look at shapes, dtypes and devices
+only, never at tensor values, so they cost no device synchronisation.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+from types import ModuleType
+
+import torch
+
+from kernels import reference
+from kernels.errors import KernelError
+
+BACKENDS = ("auto", "torch", "triton")
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+_backend: str | None = None  # None: follow $APIARY_KERNELS
+
+
+def set_backend(name: str) -> None:
+    """Force ``"torch"`` or ``"triton"``, or go back to ``"auto"`` selection by device."""
+    global _backend
+    if name not in BACKENDS:
+        raise KernelError(f"unknown kernel backend {name!r}; choose one of {BACKENDS}")
+    _backend = name
+
+
+def get_backend() -> str:
+    """The configured backend: ``set_backend``'s choice, else ``$APIARY_KERNELS``, else ``"auto"``."""
+    name = _backend if _backend is not None else os.environ.get("APIARY_KERNELS", "auto").strip().lower() or "auto"
+    if name not in BACKENDS:
+        raise KernelError(f"APIARY_KERNELS={name!r} is not one of {BACKENDS}")
+    return name
+
+
+@functools.cache
+def triton_available() -> bool:
+    """True when the ``triton`` package is installed (it is optional on CPU-only machines)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in {"1", "true", "on", "yes"}
+
+
+def resolve_backend(device: torch.device) -> str:
+    """Which implementation serves tensors on ``device``: ``"torch"`` or ``"triton"``."""
+    name = get_backend()
+    if name == "torch":
+        return "torch"
+    if name == "auto":
+        return "triton" if device.type == "cuda" and triton_available() and not interpreting() else "torch"
+    if not triton_available():
+        raise KernelError("kernel backend 'triton' was forced but triton is not installed")
+    if device.type != "cuda" and not interpreting():
+        raise KernelError(f"Triton kernels need CUDA tensors (got {device.type}); "
+                          "on CPU they run only in the interpreter: set TRITON_INTERPRET=1")
+    return "triton"
+
+
+def _triton(module: str, device: torch.device) -> ModuleType:
+    """Import a Triton kernel module; CPU tensors need it to have been imported in interpreter mode."""
+    loaded = importlib.import_module(f"kernels.{module}")
+    if device.type != "cuda" and not importlib.import_module("kernels.triton_support").INTERPRETED:
+        raise KernelError("the Triton kernels were imported compiled (TRITON_INTERPRET unset at import), so they "
+                          "cannot run on CPU tensors; set TRITON_INTERPRET=1 before the first kernel call")
+    return loaded
+
+
+# ---------------------------------------------------------------- input checks
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise KernelError(message)
+
+
+def _check_tensor(name: str, t: object, dims: int | None = None, float_: bool = False, int_: bool = False) -> None:
+    _check(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    assert isinstance(t, torch.Tensor)
+    if dims is not None:
+        _check(t.dim() == dims, f"{name} must have {dims} dims, got shape {tuple(t.shape)}")
+    if float_:
+        _check(t.dtype in FLOAT_DTYPES, f"{name} must be float32/float16/bfloat16, got {t.dtype}")
+    if int_:
+        _check(not t.dtype.is_floating_point and not t.dtype.is_complex and t.dtype != torch.bool,
+               f"{name} must be an integer tensor, got {t.dtype}")
+
+
+def _check_same_device(**tensors: torch.Tensor) -> torch.device:
+    devices = {name: t.device for name, t in tensors.items()}
+    first = next(iter(devices.values()))
+    _check(all(d == first for d in devices.values()), f"tensors are on different devices: {devices}")
+    return first
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    _check_tensor("k_cache", k_cache, 4, float_=True)
+    _check_tensor("v_cache", v_cache, 4, float_=True)
+    _check(k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype,
+           f"k_cache {tuple(k_cache.shape)} {k_cache.dtype} and v_cache {tuple(v_cache.shape)} {v_cache.dtype} differ")
+    _check(k_cache.is_contiguous() and v_cache.is_contiguous(),
+           "k_cache/v_cache must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]")
+
+
+def _check_attention(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                     batch: int, scale: float, sliding_window: int | None) -> None:
+    _check_tensor("q", q, 3, float_=True)
+    _check(q.dtype == k_cache.dtype, f"q is {q.dtype} but the cache is {k_cache.dtype}")
+    _check(q.shape[2] == k_cache.shape[3], f"q head_dim {q.shape[2]} != cache head_dim {k_cache.shape[3]}")
+    _check(q.shape[1] % k_cache.shape[2] == 0,
+           f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k_cache.shape[2]})")
+    _check_tensor("block_tables", block_tables, 2, int_=True)
+    _check_tensor("context_lens", context_lens, 1, int_=True)
+    _check(block_tables.shape[0] == batch, f"block_tables has {block_tables.shape[0]} rows for {batch} sequences")
+    _check(context_lens.shape[0] == batch, f"context_lens has {context_lens.shape[0]} entries for {batch} sequences")
+    _check(isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0,
+           f"scale must be a positive float, got {scale!r}")
+    _check(sliding_window is None or (isinstance(sliding_window, int) and not isinstance(sliding_window, bool)
+                                      and sliding_window >= 1),
+           f"sliding_window must be None or a positive int, got {sliding_window!r}")
+
+
+# ---------------------------------------------------------------- the interface
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter ``key``/``value`` ``[T, Hkv, D]`` into the caches at ``slot_mapping[T]``; slots < 0 are skipped."""
+    _check_tensor("key", key, 3, float_=True)
+    _check_tensor("value", value, 3, float_=True)
+    _check_cache(k_cache, v_cache)
+    _check_tensor("slot_mapping", slot_mapping, 1, int_=True)
+    _check(key.shape == value.shape, f"key {tuple(key.shape)} and value {tuple(value.shape)} differ")
+    _check(tuple(key.shape[1:]) == tuple(k_cache.shape[2:]),
+           f"key is [T, {key.shape[1]}, {key.shape[2]}] but the cache holds "
+           f"[..., {k_cache.shape[2]}, {k_cache.shape[3]}]")
+    _check(slot_mapping.shape[0] == key.shape[0],
+           f"slot_mapping has {slot_mapping.shape[0]} slots for {key.shape[0]} tokens")
+    device = _check_same_device(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    if key.shape[0] == 0:
+        return
+    if resolve_backend(device) == "triton":
+        _triton("kv_cache", device).write_kv(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """One query per sequence, ``q[B, Hq, D]``, over its ``context_lens[b]`` cached tokens -> ``[B, Hq, D]``."""
+    _check_cache(k_cache, v_cache)
+    _check_attention(q, k_cache, block_tables, context_lens, q.shape[0] if isinstance(q, torch.Tensor) else -1,
+                     scale, sliding_window)
+    device = _check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+                                context_lens=context_lens)
+    if resolve_backend(device) == "triton":
+        kernel = _triton("paged_attention", device)
+        return kernel.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, float(scale),
+                                             sliding_window)
+    return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, float(scale),
+                                            sliding_window)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                            cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                            sliding_window: int | None = None) -> torch.Tensor:
+    """Causal attention of variable-length new tokens ``q[T, Hq, D]`` over their cached prefix -> ``[T, Hq, D]``.
+
+    The new tokens' K/V must already be in the cache. Query i of sequence b sits at position
+    ``context_lens[b] - q_len_b + i`` with ``q_len_b = cu_seqlens_q[b+1] - cu_seqlens_q[b]``.
+    """
+    _check_cache(k_cache, v_cache)
+    _check_tensor("cu_seqlens_q", cu_seqlens_q, 1, int_=True)
+    _check(cu_seqlens_q.shape[0] >= 1, "cu_seqlens_q needs at least one entry (B + 1 offsets)")
+    _check_attention(q, k_cache, block_tables, context_lens, cu_seqlens_q.shape[0] - 1, scale, sliding_window)
+    device = _check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+                                cu_seqlens_q=cu_seqlens_q, context_lens=context_lens)
+    if resolve_backend(device) == "triton":
+        kernel = _triton("paged_attention", device)
+        return kernel.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                                              float(scale), sliding_window)
+    return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                                             float(scale), sliding_window)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of ``x[T, H]``; with ``residual`` returns ``(rmsnorm(x + residual), x + residual)``."""
+    _check_tensor("x", x, float_=True)
+    _check_tensor("weight", weight, 1, float_=True)
+    _check(x.dim() >= 1 and x.shape[-1] == weight.shape[0],
+           f"x's last dim {tuple(x.shape)[-1:]} must match weight {tuple(weight.shape)}")
+    _check(isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps >= 0, f"eps must be >= 0, got {eps!r}")
+    tensors = {"x": x, "weight": weight}
+    if residual is not None:
+        _check_tensor("residual", residual, float_=True)
+        _check(residual.shape == x.shape, f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+        tensors["residual"] = residual
+    device = _check_same_device(**tensors)
+    if resolve_backend(device) == "triton" and x.numel() > 0:
+        return _triton("rms_norm", device).rms_norm(x, weight, float(eps), residual)
+    return reference.rms_norm(x, weight, float(eps), residual)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                 cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE of ``q[T, Hq, D]`` and ``k[T, Hkv, D]`` at ``positions[T]``; returns new ``(q, k)``."""
+    _check_tensor("q", q, 3, float_=True)
+    _check_tensor("k", k, 3, float_=True)
+    _check_tensor("positions", positions, 1, int_=True)
+    _check_tensor("cos_sin_cache", cos_sin_cache, 2, float_=True)
+    _check(q.shape[0] == k.shape[0] == positions.shape[0],
+           f"q, k and positions disagree on the token count: {q.shape[0]}, {k.shape[0]}, {positions.shape[0]}")
+    _check(q.shape[2] == k.shape[2] == cos_sin_cache.shape[1],
+           f"head_dim of q ({q.shape[2]}), k ({k.shape[2]}) and cos_sin_cache ({cos_sin_cache.shape[1]}) differ")
+    _check(q.shape[2] % 2 == 0, f"head_dim must be even for rotary, got {q.shape[2]}")
+    device = _check_same_device(q=q, k=k, positions=positions, cos_sin_cache=cos_sin_cache)
+    if resolve_backend(device) == "triton" and q.shape[0] > 0:
+        return _triton("rotary", device).apply_rotary(q, k, positions, cos_sin_cache)
+    return reference.apply_rotary(q, k, positions, cos_sin_cache)

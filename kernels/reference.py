@@ -1,0 +1,204 @@
+"""Plain-torch references for every kernel: the correctness oracle and the CPU production path.
+
+Everything is vectorised (no Python loop over tokens). Attention gathers the paged K/V of
+each sequence into a padded tensor and hands it to ``F.scaled_dot_product_attention`` with a
+boolean mask; grouped-query attention folds the query heads that share a KV head into the
+query-length axis, so K/V are never repeated. Inputs may be fp32/fp16/bf16; SDPA accumulates
+in fp32 internally and the elementwise ops compute in fp32.
+
+Conventions (shared with the Triton kernels and the engine):
+- caches are ``[num_blocks, block_size, num_kv_heads, head_dim]``; slot = block * block_size + offset;
+- query head ``h`` reads KV head ``h // (Hq // Hkv)``;
+- a query at position ``p`` sees key positions ``j <= p`` and, with ``sliding_window=w``,
+  only ``j > p - w`` (the ``w`` most recent tokens, itself included);
+- a sequence with ``context_len == 0`` (a padding row) yields zeros.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter ``key``/``value`` ``[T, Hkv, D]`` into their cache slots; slots < 0 are skipped."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key[keep].to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value[keep].to(v_cache.dtype))
+
+
+def _gather_rows(block_tables: torch.Tensor, num_blocks: int, block_size: int, num_kv_heads: int) -> torch.Tensor:
+    """Row indices ``[B, Hkv, num_blocks * block_size]`` into a cache viewed as ``[slots * Hkv, D]``."""
+    table = block_tables[:, :num_blocks].long().clamp(min=0)  # -1 padding is masked out later
+    offsets = torch.arange(block_size, device=block_tables.device)
+    slots = (table[:, :, None] * block_size + offsets).flatten(1)  # [B, L]
+    heads = torch.arange(num_kv_heads, device=block_tables.device)
+    return slots[:, None, :] * num_kv_heads + heads[None, :, None]
+
+
+_workspace = threading.local()  # per-thread gather buffers, CPU only
+
+
+def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of each sequence as padded tensors ``[B, Hkv, L, D]``.
+
+    One ``index_select`` of head rows straight into SDPA's head-major layout: a single copy, and
+    no strided K/V for SDPA to trip over (both measured faster on CPU than gather-then-transpose).
+    On CPU the copies land in a reused per-thread buffer: freshly allocated tens of MB are returned
+    to the OS by glibc and page-faulted back in on every call, which measured 3-4x slower than the
+    copy itself on this machine. The views are only valid until this thread's next gather.
+    """
+    head_dim = k_cache.shape[-1]
+    index = rows.flatten()
+    n = index.numel()
+    if k_cache.device.type != "cpu":
+        k = k_cache.view(-1, head_dim).index_select(0, index)
+        v = v_cache.view(-1, head_dim).index_select(0, index)
+    else:
+        buffers = getattr(_workspace, "buffers", None)
+        if buffers is None:
+            buffers = _workspace.buffers = {}
+        buf = buffers.get(k_cache.dtype)
+        if buf is None or buf.numel() < 2 * n * head_dim:
+            buf = buffers[k_cache.dtype] = torch.empty(2 * n * head_dim, dtype=k_cache.dtype)
+        k, v = buf[:n * head_dim].view(n, head_dim), buf[n * head_dim:2 * n * head_dim].view(n, head_dim)
+        torch.index_select(k_cache.view(-1, head_dim), 0, index, out=k)
+        torch.index_select(v_cache.view(-1, head_dim), 0, index, out=v)
+    return k.view(*rows.shape, head_dim), v.view(*rows.shape, head_dim)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
+            may_be_empty: bool) -> torch.Tensor:
+    """SDPA with GQA folded into the query axis.
+
+    q ``[B, Q, Hq, D]``, k/v ``[B, Hkv, L, D]``, allowed ``[B, Q, L]`` -> ``[B, Q, Hq, D]``.
+    ``may_be_empty``: some rows may see no key at all (they come out as zeros instead of NaN).
+    """
+    b, nq, hq, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    # [B, Q, Hkv, G, D] -> [B, Hkv, G*Q, D]: the G heads that share a KV head become extra query rows.
+    qg = q.view(b, nq, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, group * nq, d)
+    if nq == 1:
+        mask = allowed[:, None]  # [B, 1, 1, L], broadcast over heads and rows
+    else:
+        mask = allowed[:, None, None].expand(b, 1, group, nq, allowed.shape[-1]).reshape(b, 1, group * nq, -1)
+    empty = None
+    if may_be_empty:  # let such rows see key 0, then zero them
+        empty = ~mask.any(-1, keepdim=True)
+        mask = mask | (empty & (torch.arange(mask.shape[-1], device=mask.device) == 0))
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    if empty is not None:
+        out = out.masked_fill(empty, 0.0)
+    return out.view(b, hkv, group, nq, d).permute(0, 3, 1, 2, 4).reshape(b, nq, hq, d)
+
+
+def _allowed(q_pos: torch.Tensor, context_lens: torch.Tensor, key_len: int, sliding_window: int | None) -> torch.Tensor:
+    """Boolean ``[B, Q, L]``: key j is visible to a query at q_pos if j <= q_pos, j < ctx, inside the window."""
+    j = torch.arange(key_len, device=q_pos.device)
+    allowed = (j <= q_pos[..., None]) & (j < context_lens[:, None, None])
+    if sliding_window is not None:
+        allowed &= j > q_pos[..., None] - sliding_window
+    return allowed
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """One query per sequence ``q[B, Hq, D]`` over its ``context_lens[b]`` cached tokens -> ``[B, Hq, D]``."""
+    if q.shape[0] == 0:
+        return torch.empty_like(q)
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    ctx = context_lens.long()
+    shortest, longest = torch.stack(torch.aminmax(ctx)).tolist()  # one host sync for both
+    rows = _gather_rows(block_tables, max(1, -(-longest // block_size)), block_size, num_kv_heads)
+    k, v = _gather_kv(k_cache, v_cache, rows)
+    j = torch.arange(rows.shape[-1], device=q.device)
+    allowed = j < ctx[:, None]  # the query is the newest token: it sees every cached one
+    if sliding_window is not None:
+        allowed &= j >= ctx[:, None] - sliding_window
+    return _attend(q[:, None], k, v, allowed[:, None], scale, may_be_empty=shortest < 1)[:, 0]
+
+
+def _prefill_group(q: torch.Tensor, out: torch.Tensor, seqs: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, block_tables: torch.Tensor, starts: torch.Tensor, q_lens: torch.Tensor,
+                   context_lens: torch.Tensor, scale: float, sliding_window: int | None) -> None:
+    """Attention for the sequences ``seqs``, padded together to their longest query; writes into ``out``."""
+    lens = q_lens[seqs]
+    ctx = context_lens[seqs]
+    max_q = int(lens.max())
+    block_size = k_cache.shape[1]
+    num_blocks = max(1, -(-int(ctx.max()) // block_size))
+    i = torch.arange(max_q, device=q.device)
+    valid = i < lens[:, None]  # [G, max_q]
+    rows = (starts[seqs][:, None] + i).masked_fill(~valid, 0)
+    q_pad = q[rows]  # [G, max_q, Hq, D]; padded rows read token 0 and are dropped below
+    q_pos = ctx[:, None] - lens[:, None] + i
+    rows_kv = _gather_rows(block_tables[seqs], num_blocks, block_size, k_cache.shape[2])
+    k, v = _gather_kv(k_cache, v_cache, rows_kv)
+    allowed = _allowed(q_pos, ctx, k.shape[2], sliding_window) & valid[..., None]
+    res = _attend(q_pad, k, v, allowed, scale, may_be_empty=True)  # padding rows see nothing
+    out[rows[valid]] = res[valid]
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                            cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                            sliding_window: int | None = None) -> torch.Tensor:
+    """Variable-length causal attention of new tokens ``q[T, Hq, D]`` over their cached prefix -> ``[T, Hq, D]``.
+
+    Query i of sequence b sits at position ``context_lens[b] - q_len_b + i``. Sequences are grouped by
+    query length in power-of-two buckets, so a mixed batch (one long prefill chunk beside many
+    single-token decodes) pads each group at most 2x instead of padding everything to the longest.
+    """
+    out = torch.zeros_like(q)
+    if q.shape[0] == 0:
+        return out
+    cu = cu_seqlens_q.long()
+    starts, q_lens = cu[:-1], cu[1:] - cu[:-1]
+    ctx = context_lens.long()
+    live = q_lens > 0
+    bucket = torch.where(live, torch.ceil(torch.log2(q_lens.clamp(min=1).double())).long(), -1)
+    for b in torch.unique(bucket[live]).tolist():
+        seqs = torch.nonzero(bucket == b).flatten()
+        _prefill_group(q, out, seqs, k_cache, v_cache, block_tables, starts, q_lens, ctx, scale, sliding_window)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last axis, optionally fused with the residual add.
+
+    With ``residual``: ``s = x + residual`` (rounded to x's dtype, as an unfused model would store it),
+    returns ``(rmsnorm(s), s)``.
+    """
+    if residual is not None:
+        x = (x.float() + residual.float()).to(x.dtype)
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    out = out.to(x.dtype)
+    return (out, x) if residual is not None else out
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                 cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half (neox) RoPE of ``q[T, Hq, D]`` and ``k[T, Hkv, D]``; returns new tensors."""
+    half = cos_sin_cache.shape[-1] // 2
+    cs = cos_sin_cache[positions.long()].float()
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., :half].float(), x[..., half:].float()
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+def rotary_cos_sin_cache(max_positions: int, head_dim: int, base: float = 10000.0,
+                         dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
+    """The ``[max_positions, head_dim]`` table ``apply_rotary`` expects: first half cos, second half sin."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
+    freqs = torch.arange(max_positions, dtype=torch.float64, device=device)[:, None] * inv_freq
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)

@@ -1,0 +1,113 @@
+"""The torch references (the CPU production path) against naive dense float64 computations."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels import reference
+from tests.kernels.cases import dense_attention, make_case, tolerance
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+# (context_lens, q_lens, Hq, Hkv, head_dim, block_size, sliding_window)
+PREFILL_SHAPES = [
+    ([1], [1], 4, 4, 32, 16, None),                      # length 1
+    ([16], [16], 6, 2, 32, 16, None),                    # exactly one block, full prefill
+    ([17, 33, 5], [3, 33, 5], 9, 3, 64, 16, None),       # ragged, crossing block boundaries, chunked
+    ([40, 12, 64, 3], [1, 12, 4, 1], 8, 1, 16, 8, None),  # mixed decode + prefill, GQA 8
+    ([50, 20], [7, 1], 4, 1, 32, 16, 8),                 # sliding window
+    ([30], [5], 8, 2, 24, 4, 1),                         # window of one token, head_dim not a power of 2
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", PREFILL_SHAPES)
+def test_prefill_reference_matches_dense(shape, dtype):
+    ctx, q_lens, hq, hkv, d, bs, window = shape
+    case = make_case(ctx, q_lens, hq, hkv, d, bs, dtype)
+    out = reference.paged_prefill_attention(case.q, case.k_cache, case.v_cache, case.block_tables,
+                                            case.cu_seqlens_q, case.context_lens, case.scale, window)
+    assert out.dtype == dtype and out.shape == case.q.shape
+    torch.testing.assert_close(out.double(), dense_attention(case, window), **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ctx,hq,hkv,window", [([1, 16, 17, 100], 8, 2, None), ([3, 64], 3, 1, None),
+                                               ([33, 7, 90], 4, 4, 10)])
+def test_decode_reference_matches_dense(ctx, hq, hkv, window, dtype):
+    case = make_case(ctx, [1] * len(ctx), hq, hkv, 32, 16, dtype, pad_value=0)
+    out = reference.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables,
+                                           case.context_lens, case.scale, window)
+    torch.testing.assert_close(out.double(), dense_attention(case, window), **tolerance(dtype))
+
+
+def test_empty_sequences_yield_zeros():
+    case = make_case([0, 5], [1, 1], 4, 2, 16)
+    out = reference.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables,
+                                           case.context_lens, case.scale)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    torch.testing.assert_close(out[1].double(), dense_attention(case)[1], **tolerance(torch.float32))
+
+
+def test_prefill_skips_sequences_without_queries():
+    case = make_case([9, 4, 12], [2, 0, 3], 4, 2, 16)
+    out = reference.paged_prefill_attention(case.q, case.k_cache, case.v_cache, case.block_tables,
+                                            case.cu_seqlens_q, case.context_lens, case.scale)
+    torch.testing.assert_close(out.double(), dense_attention(case), **tolerance(torch.float32))
+
+
+def test_write_kv_scatters_and_skips_negative_slots():
+    k_cache = torch.zeros(4, 4, 2, 8)
+    v_cache = torch.zeros(4, 4, 2, 8)
+    key, value = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    reference.write_kv(key, value, k_cache, v_cache, torch.tensor([13, -1, 0]))
+    assert torch.equal(k_cache[3, 1], key[0]) and torch.equal(v_cache[3, 1], value[0])
+    assert torch.equal(k_cache[0, 0], key[2]) and torch.equal(v_cache[0, 0], value[2])
+    assert int((k_cache != 0).any(-1).any(-1).sum()) == 2  # the skipped token landed nowhere
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_reference(dtype):
+    x, res, w = torch.randn(5, 48).to(dtype), torch.randn(5, 48).to(dtype), torch.randn(48)
+    s = (x.double() + res.double()).to(dtype).double()
+    expected = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    out, new_res = reference.rms_norm(x, w, 1e-6, res)
+    assert out.dtype == dtype and new_res.dtype == dtype
+    torch.testing.assert_close(new_res.double(), s)
+    torch.testing.assert_close(out.double(), expected, **tolerance(dtype))
+    plain = reference.rms_norm(x, w, 1e-6)
+    xd = x.double()
+    torch.testing.assert_close(plain.double(), xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double(),
+                               **tolerance(dtype))
+
+
+def test_rotary_reference_matches_complex_rotation():
+    """Rotate-half RoPE is a complex rotation of the pairs (x[i], x[i + D/2]) by pos * theta_i."""
+    head_dim, positions = 16, torch.tensor([0, 3, 7, 100])
+    cache = reference.rotary_cos_sin_cache(128, head_dim)
+    q, k = torch.randn(4, 3, head_dim), torch.randn(4, 1, head_dim)
+    rq, rk = reference.apply_rotary(q, k, positions, cache)
+    theta = 10000.0 ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angle = positions[:, None, None].double() * theta
+    for x, rx in ((q, rq), (k, rk)):
+        z = torch.complex(x[..., :head_dim // 2].double(), x[..., head_dim // 2:].double()) * torch.polar(
+            torch.ones_like(angle), angle)
+        torch.testing.assert_close(rx.double(), torch.cat((z.real, z.imag), -1), atol=1e-5, rtol=1e-5)
+    assert torch.equal(rq[0], q[0])  # position 0 is the identity
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_prefill_reference_random_batches(data):
+    """Random ragged batches: any mix of decodes, chunks and whole prompts, any GQA ratio, any window."""
+    hkv = data.draw(st.integers(1, 3))
+    hq = hkv * data.draw(st.sampled_from([1, 2, 3, 4, 8]))
+    ctx = data.draw(st.lists(st.integers(0, 70), min_size=1, max_size=5))
+    q_lens = [data.draw(st.integers(0, c)) for c in ctx]
+    window = data.draw(st.none() | st.integers(1, 80))
+    case = make_case(ctx, q_lens, hq, hkv, 8, data.draw(st.sampled_from([1, 4, 16])), seed=data.draw(st.integers(0, 9)))
+    out = reference.paged_prefill_attention(case.q, case.k_cache, case.v_cache, case.block_tables,
+                                            case.cu_seqlens_q, case.context_lens, case.scale, window)
+    torch.testing.assert_close(out.double(), dense_attention(case, window), **tolerance(torch.float32))
