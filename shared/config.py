@@ -103,14 +103,17 @@ def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def load_section(section: str, model: type[M], path: str | Path | None = None,
+def load_section(section: str, schema: type[M], path: str | Path | None = None, /, *,
                  environ: dict[str, str] | None = None, **explicit: Any) -> M:
-    """Section ``section`` of the config as ``model``: file, then environment, then ``explicit`` kwargs."""
+    """Section ``section`` of the config as ``schema``: file, then environment, then ``explicit`` kwargs.
+
+    The first three parameters are positional-only so that any setting name (``model``,
+    ``path``, …) can be passed in ``explicit``."""
     raw = read_file(path).get(section, {})
     if not isinstance(raw, dict):
         raise ConfigError(f"[{section}] must be a table")
     data = _merge(_merge(raw, env_overrides(section, environ)), {k: v for k, v in explicit.items() if v is not None})
     try:
-        return model.model_validate(data)
+        return schema.model_validate(data)
     except ValidationError as e:
         raise ConfigError(f"invalid [{section}] configuration: {e}") from None

@@ -91,6 +91,7 @@ class _Subscription:
     filter: str  # as the caller wrote it, possibly $share/{group}/…
     qos: int
     handlers: list[Handler] = field(default_factory=list)
+    dedup: bool = True  # False: the handler is idempotent itself and wants re-sends (e.g. retried requests)
     sent: bool = False  # the broker's session has it (a resumed session needs only the unsent ones)
 
     @property
@@ -270,14 +271,17 @@ class MqttTransport:
             return False
         return True
 
-    def subscribe(self, topic_filter: str, handler: Handler, qos: int = 1, *, timeout: float = 10.0) -> None:
+    def subscribe(self, topic_filter: str, handler: Handler, qos: int = 1, *, timeout: float = 10.0,
+                  dedup: bool = True) -> None:
         """Deliver decoded, de-duplicated envelopes matching ``topic_filter`` to ``handler``.
 
         Subscriptions are remembered and restored on reconnect. When connected this waits
         up to ``timeout`` for the SUBACK and raises :class:`TransportError` if the broker
-        refuses the filter (e.g. an ACL).
+        refuses the filter (e.g. an ACL). ``dedup=False`` hands repeated envelope ids to the
+        handler too: for handlers that are idempotent on their own and must answer a
+        deliberate re-send (a store-and-forward retry whose first reply was lost).
         """
-        self._add_subscription(topic_filter, handler, qos, timeout)
+        self._add_subscription(topic_filter, handler, qos, timeout, dedup)
 
     def request(self, topic: str, body_or_envelope: Body | Envelope, *, reply_topic: str,
                 timeout: float) -> Envelope:
@@ -412,7 +416,8 @@ class MqttTransport:
 
     # ------------------------------------------------------------------ internals: subscriptions
 
-    def _add_subscription(self, topic_filter: str, handler: Handler | None, qos: int, timeout: float) -> None:
+    def _add_subscription(self, topic_filter: str, handler: Handler | None, qos: int, timeout: float,
+                          dedup: bool = True) -> None:
         if not isinstance(topic_filter, str) or not topic_filter:
             raise TransportError(f"invalid topic filter {topic_filter!r}")
         if topic_filter.startswith("$share/") and topic_filter.count("/") < 2:
@@ -421,7 +426,7 @@ class MqttTransport:
             sub = self._subs.get(topic_filter)
             is_new = sub is None
             if is_new:
-                sub = self._subs[topic_filter] = _Subscription(topic_filter, qos)
+                sub = self._subs[topic_filter] = _Subscription(topic_filter, qos, dedup=dedup)
             if handler is not None:
                 sub.handlers.append(handler)
         if not is_new or not self.connected:
@@ -551,14 +556,14 @@ class MqttTransport:
             self._count("decode_errors")
             log.warning("dropped undecodable payload on %s: %s", msg.topic, e)
             return
-        if self._recent.seen(env.id):
+        duplicate = self._recent.seen(env.id)
+        if duplicate:
             self._count("duplicates")
-            return
         with self._lock:
-            pending = self._pending.get(env.correlation_id) if env.correlation_id else None
+            pending = self._pending.get(env.correlation_id) if env.correlation_id and not duplicate else None
             handlers: list[Handler] = []
             for sub in self._subs.values():  # overlapping filters: each handler still sees a message once
-                if paho.topic_matches_sub(sub.local_filter, msg.topic):
+                if (not duplicate or not sub.dedup) and paho.topic_matches_sub(sub.local_filter, msg.topic):
                     handlers.extend(h for h in sub.handlers if h not in handlers)
         if pending is not None and msg.topic == pending.reply_topic and env.id != pending.request_id:
             pending.reply = env

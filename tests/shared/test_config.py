@@ -42,3 +42,12 @@ def test_broker_urls() -> None:
     assert MqttConfig.from_url("mqtt://127.0.0.1:1999").url == "mqtt://127.0.0.1:1999"
     with pytest.raises(ConfigError):
         MqttConfig.from_url("http://x")
+
+
+def test_any_setting_name_can_be_passed_explicitly() -> None:
+    class Cloud(BaseModel):
+        model: str = "smollm2-135m-q4"
+        path: str = "."
+
+    got = load_section("cloud", Cloud, None, environ={}, model="/models/x.gguf", path="/srv")
+    assert (got.model, got.path) == ("/models/x.gguf", "/srv")

@@ -582,3 +582,20 @@ def test_tls_with_password(tmp_path, connect) -> None:
                 MqttTransport(cfg, "hive-01-bad").start(timeout=2)
     finally:
         broker.close()
+
+
+def test_idempotent_handlers_can_opt_out_of_deduplication(mosquitto, connect) -> None:
+    """A deliberate re-send of the same envelope (store-and-forward retry) reaches a dedup=False handler."""
+    plain, resends = Inbox(), Inbox()
+    sub = connect(mosquitto.config, "sub-dedup")
+    sub.subscribe(topics.all_of("event"), plain)
+    idempotent = connect(mosquitto.config, "sub-no-dedup")
+    idempotent.subscribe(topics.all_of("event"), resends, dedup=False)
+    pub = connect(mosquitto.config, "pub-dedup")
+    env = event(1)
+    assert pub.publish(topics.event(SITE, "hive-01"), env, timeout=10)
+    assert pub.publish(topics.event(SITE, "hive-01"), env, timeout=10)
+    assert pub.publish(topics.event(SITE, "hive-01"), event(2), timeout=10)
+    assert [e.body.seq for e in resends.wait(3)] == [1, 1, 2]
+    assert [e.body.seq for e in plain.wait(2)] == [1, 2]
+    assert sub.stats["duplicates"] == 1 and idempotent.stats["duplicates"] == 1

@@ -1,0 +1,92 @@
+"""One error shape for every failure (OpenAI's ``{"error": {...}}``) and the status each cause maps to.
+
+400 a request the engine can never serve (e.g. longer than the context), 401 no or unknown
+key, 403 key without the scope, 404 unknown thing, 413 body too large, 422 validation
+(the message names every bad field), 429 engine queue full (with ``Retry-After``),
+503 a dependency (broker) is not available. Nothing else escapes as a bare 500.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from shared.logs import get_logger
+
+from cloud.api.schemas import ErrorResponse
+
+_log = get_logger("cloud.api")
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+               416: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+               503: "service_unavailable"}
+
+# For the OpenAPI document: routes list the errors they can return with this body.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": text} for code, text in {
+        401: "missing or unknown API key", 403: "API key lacks the scope", 413: "request body too large",
+        422: "invalid request (the message names the fields)"}.items()
+}
+
+
+def error_body(status: int, message: str, *, param: str | None = None, code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "api_error"), "param": param,
+                      "code": code if code is not None else status}}
+
+
+def error_response(status: int, message: str, *, headers: dict[str, str] | None = None, **kw: Any) -> JSONResponse:
+    return JSONResponse(error_body(status, message, **kw), status_code=status, headers=headers)
+
+
+class BodyTooLarge(HTTPException):
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body over the {limit}-byte limit")
+
+
+def _location(loc: tuple) -> str:
+    return ".".join(str(p) for p in loc if p not in ("body",)) or "body"
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    parts = [f"{_location(e['loc'])}: {e['msg']}" for e in errors[:8]]
+    more = f" (+{len(errors) - 8} more)" if len(errors) > 8 else ""
+    first = _location(errors[0]["loc"]) if errors else None
+    return "invalid request: " + "; ".join(parts) + more, first
+
+
+def install(app: FastAPI) -> None:
+    from cloud.engine import EngineError, EngineOverloaded, RequestRejected
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(list(exc.errors()))
+        return error_response(422, message, param=param, code="validation_error")
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(EngineOverloaded)
+    async def _overloaded(request: Request, exc: EngineOverloaded) -> JSONResponse:
+        retry = str(request.app.state.ctx.settings.retry_after_s)
+        request.app.state.ctx.metrics.refused.labels(reason="overloaded").inc()
+        return error_response(429, f"the engine's queue is full, retry later: {exc}", headers={"Retry-After": retry},
+                              code="overloaded")
+
+    @app.exception_handler(RequestRejected)
+    async def _rejected(request: Request, exc: RequestRejected) -> JSONResponse:
+        return error_response(400, str(exc), code="rejected")
+
+    @app.exception_handler(EngineError)
+    async def _engine(request: Request, exc: EngineError) -> JSONResponse:
+        _log.error("engine error on %s: %s", request.url.path, exc)
+        return error_response(500, f"engine error: {exc}", code="engine_error")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        _log.exception("unhandled error on %s", request.url.path)
+        return error_response(500, "internal error", code="internal_error")

@@ -1,0 +1,83 @@
+"""`apiary cloud …`: run the cloud service and manage its API keys."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    cloud = typer.Typer(help="The cloud tier: engine + MQTT escalation worker + REST API.", no_args_is_help=True)
+    keys = typer.Typer(help="API keys (stored hashed, scoped: inference | operator).", no_args_is_help=True)
+    cloud.command("serve")(serve)
+    keys.command("create")(create_key)
+    cloud.add_typer(keys, name="keys")
+    app.add_typer(cloud, name="cloud")
+
+
+def serve(
+    broker: Optional[str] = typer.Option(None, help="MQTT broker URL (mqtt://host:port); omit for REST only"),
+    host: Optional[str] = typer.Option(None, help="HTTP bind address [127.0.0.1]"),
+    port: Optional[int] = typer.Option(None, help="HTTP port, 0 = any free one [8000]"),
+    model: Optional[str] = typer.Option(None, help="model path (GGUF / HF folder) or registry name [smollm2-135m-q4]"),
+    db: Optional[str] = typer.Option(None, help="SQLite database [.apiary/cloud.db]"),
+    images: Optional[str] = typer.Option(None, help="directory of OTA images served at /v1/images [.apiary/images]"),
+    api_key_file: Optional[str] = typer.Option(None, help="hashed API keys, JSON lines [.apiary/cloud-keys.jsonl]"),
+    dtype: Optional[str] = typer.Option(None, help="auto | float32 | bfloat16"),
+    worker_id: Optional[str] = typer.Option(None, help="this process's MQTT client id / worker name"),
+    config: Optional[Path] = typer.Option(None, help="apiary TOML config ([cloud] section); also $APIARY_CONFIG"),
+) -> None:
+    """Run the engine, the MQTT escalation worker and the REST API in one process until Ctrl-C."""
+    import signal
+    import threading
+
+    from cloud.errors import CloudError
+    from cloud.service import CloudService
+    from cloud.settings import load_settings
+    from shared.logs import configure
+
+    configure()
+    try:
+        settings = load_settings(config, broker=broker, host=host, port=port, model=model, db=db, images=images,
+                                 api_key_file=api_key_file, dtype=dtype, worker_id=worker_id)
+        service = CloudService(settings)
+        info = service.start()
+    except CloudError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"cloud service listening on {info.url} (model {info.model}, broker {info.broker or 'none'})")
+    if info.api_key:
+        typer.echo(f"API key for this process (inference + operator scopes): {info.api_key}")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        while not stop.is_set() and service.running:
+            stop.wait(0.5)
+    finally:
+        service.stop()
+        typer.echo("cloud service stopped")
+
+
+def create_key(
+    scope: list[str] = typer.Option(..., "--scope", help="inference | operator (repeat for both)"),
+    name: str = typer.Option("", help="a label for the key"),
+    api_key_file: Optional[str] = typer.Option(None, help="key file [from config, else .apiary/cloud-keys.jsonl]"),
+    config: Optional[Path] = typer.Option(None, help="apiary TOML config ([cloud] section)"),
+) -> None:
+    """Create an API key; its hash goes to the key file, the key itself is printed once."""
+    from cloud.auth import KeyRing
+    from cloud.errors import CloudError
+    from cloud.settings import load_settings
+
+    try:
+        settings = load_settings(config, api_key_file=api_key_file)
+        if not settings.api_key_file:
+            raise CloudError("no key file configured: pass --api-key-file")
+        key = KeyRing(settings.api_key_file).create(scope, name=name)
+    except CloudError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(key)
+    typer.echo(f"(scopes: {', '.join(sorted(set(scope)))}; stored hashed in {settings.api_key_file})", err=True)

@@ -1,0 +1,54 @@
+"""The fleet recorder: stores every state, event, answer and OTA status seen on the mesh.
+
+It uses plain (not shared) subscriptions: retained birth certificates are only delivered
+to plain subscribers, and every replica recording the same message is harmless because
+the store's writes are idempotent on the envelope id. Handlers run on the MQTT network
+thread and do one small indexed SQLite write each.
+"""
+from __future__ import annotations
+
+from shared import topics
+from shared.logs import get_logger
+from shared.protocol import DeviceState, Envelope, InferenceResult, OtaStatus, SensorEvent
+
+from cloud.metrics import Metrics
+from cloud.store import Store
+
+_log = get_logger("cloud.recorder")
+
+KINDS = ("state", "event", "answer", "ota/status")
+
+
+class Recorder:
+    def __init__(self, store: Store, metrics: Metrics | None = None) -> None:
+        self.store = store
+        self.metrics = metrics
+
+    def attach(self, transport) -> None:
+        """Subscribe to every fleet topic on ``transport`` (a started or starting MqttTransport)."""
+        for kind in KINDS:
+            transport.subscribe(topics.all_of(kind), self.handle, qos=1)
+
+    def handle(self, topic: str, env: Envelope) -> None:
+        """Store one message; anything that does not fit is logged and dropped, never raised."""
+        try:
+            stored = self._store(env)
+        except Exception:
+            _log.exception("could not record %s from %s on %s", env.type, env.sender, topic)
+            return
+        if stored is None:
+            _log.warning("ignored %s on %s: not a fleet message", env.type, topic)
+        elif self.metrics is not None:
+            self.metrics.recorded.labels(kind=env.type.value if stored else f"{env.type.value}_ignored").inc()
+
+    def _store(self, env: Envelope) -> bool | None:
+        body = env.body
+        if isinstance(body, DeviceState):
+            return self.store.record_state(body)
+        if isinstance(body, SensorEvent):
+            return self.store.record_event(env.id, body)
+        if isinstance(body, InferenceResult):
+            return self.store.record_answer(env.id, body)
+        if isinstance(body, OtaStatus):
+            return self.store.record_ota_status(env.id, body)
+        return None

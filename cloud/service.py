@@ -1,0 +1,200 @@
+"""One cloud process: the engine, the MQTT escalation worker + fleet recorder, and the REST API.
+
+``CloudService(settings).start()`` brings everything up and returns where it listens
+and, when no key is configured, a freshly generated API key (shown once, valid for this
+process); ``stop()`` takes it down in reverse order. ``apiary cloud serve`` and the demo
+both use it, in-process or as a subprocess.
+
+Scale-out: run several of these against one broker (EMQX cluster in production). The
+escalation worker uses a shared subscription, so the broker splits escalations across
+processes; fleet state, events, answers, escalation results and API keys live in the
+store and the key file, so REST replicas behind any load balancer answer alike. Only
+the KV cache is private to a process.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from shared import topics
+from shared.logs import get_logger
+from shared.protocol import DeviceState, make
+
+from cloud.auth import SCOPES, KeyRing
+from cloud.errors import CloudError
+from cloud.metrics import Metrics
+from cloud.recorder import Recorder
+from cloud.settings import CloudSettings
+from cloud.store import SqliteStore, Store
+from cloud.worker import EscalationWorker, WorkerConfig
+
+_log = get_logger("cloud.service")
+
+
+@dataclass(slots=True)
+class ServiceInfo:
+    url: str
+    api_key: str | None  # generated for this process when no key was configured; None otherwise
+    model: str
+    broker: str | None
+    worker_id: str
+
+
+def build_engine(settings: CloudSettings):
+    """The engine the settings describe, wrapped for asyncio callers."""
+    from cloud.engine import AsyncEngine, EngineConfig, EngineError, LLMEngine
+
+    path = settings.resolve_model_path()
+    try:
+        engine = LLMEngine(EngineConfig(
+            model_path=path, device=settings.device, dtype=settings.dtype,
+            kv_cache_bytes=settings.kv_cache_mb << 20, max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens, max_waiting=settings.max_waiting,
+            max_model_len=settings.max_model_len, num_threads=settings.num_threads))
+    except EngineError as e:
+        raise CloudError(f"cannot load model {path}: {e}") from None
+    return AsyncEngine(engine)
+
+
+class CloudService:
+    def __init__(self, settings: CloudSettings, *, engine: Any | None = None, store: Store | None = None) -> None:
+        """``engine``: an existing AsyncEngine to share (not shut down on stop); default: built from settings."""
+        self.settings = settings
+        self.engine = engine
+        self._own_engine = engine is None
+        self.store = store
+        self._own_store = store is None
+        self.keys: KeyRing | None = None
+        self.metrics = Metrics()
+        self.transport = None
+        self.worker: EscalationWorker | None = None
+        self.recorder: Recorder | None = None
+        self.app = None
+        self.info: ServiceInfo | None = None
+        self._server = None
+        self._thread: threading.Thread | None = None
+        self._session = int(time.time() * 1000)
+
+    @property
+    def url(self) -> str:
+        if self.info is None:
+            raise CloudError("the service is not started")
+        return self.info.url
+
+    def start(self, timeout: float = 30.0) -> ServiceInfo:
+        try:
+            return self._start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout: float) -> ServiceInfo:
+        from cloud.api import AppContext, create_app
+
+        s = self.settings
+        self.store = self.store or SqliteStore(s.db)
+        self.keys = KeyRing(s.api_key_file)
+        api_key = None
+        if s.generate_key == "always" or (s.generate_key == "auto" and len(self.keys) == 0):
+            api_key = self.keys.create(SCOPES, name="generated", persist=False)
+        self.engine = self.engine or build_engine(s)
+        self.metrics.watch_engine(self.engine.metrics)
+        if s.broker:
+            self._start_mqtt(timeout)
+        ctx = AppContext(settings=s, engine=self.engine, store=self.store, keys=self.keys, metrics=self.metrics,
+                         model_name=s.model_name, transport=self.transport)
+        self.app = create_app(ctx)
+        url = self._start_http(timeout)
+        self.info = ServiceInfo(url=url, api_key=api_key, model=s.model_name, broker=s.broker, worker_id=s.worker_id)
+        _log.info("cloud service up at %s (model %s, broker %s)", url, s.model_name, s.broker or "none")
+        return self.info
+
+    def _state(self, status: str) -> DeviceState:
+        return DeviceState(site=topics.CLOUD_SITE, device=self.settings.worker_id, status=status,
+                           online=status != "death", session=self._session, role="cloud",
+                           model_version=self.settings.model_name)
+
+    def _start_mqtt(self, timeout: float) -> None:
+        from shared.transport import MqttTransport, TransportError
+
+        s = self.settings
+        state_topic = topics.state(topics.CLOUD_SITE, s.worker_id)
+        self.transport = MqttTransport(s.mqtt, s.worker_id, persistent=s.persistent_session,
+                                       will=(state_topic, make(self._state("death"), sender=s.worker_id)))
+        if s.record:
+            self.recorder = Recorder(self.store, self.metrics)
+            self.recorder.attach(self.transport)
+        if s.escalations:
+            self.worker = EscalationWorker(self.engine, self.store, WorkerConfig(
+                worker_id=s.worker_id, model_name=s.model_name, share_group=s.share_group,
+                concurrency=s.worker_concurrency, claim_lease_s=s.claim_lease_s,
+                overload_retry_s=s.overload_retry_s), self.metrics)
+            self.worker.start(self.transport)
+        try:
+            self.transport.start(timeout=timeout)
+        except TransportError as e:
+            raise CloudError(f"cannot reach the broker {s.broker}: {e}") from None
+        self.transport.publish(state_topic, make(self._state("birth"), sender=s.worker_id), retain=True)
+
+    def _start_http(self, timeout: float) -> str:
+        import uvicorn
+
+        s = self.settings
+        try:
+            sock = socket.create_server((s.host, s.port), reuse_port=False)
+        except OSError as e:
+            raise CloudError(f"cannot listen on {s.host}:{s.port}: {e}") from None
+        port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False,
+                                timeout_graceful_shutdown=5)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="cloud-http",
+                                        daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise CloudError(f"the HTTP server did not start on {s.host}:{port}")
+            time.sleep(0.02)
+        host = s.host if s.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        return f"http://{host}:{port}"
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Stop accepting, finish or cancel what runs, say goodbye on the broker, release the engine."""
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(15)
+            self._thread = None
+        if self.worker is not None:
+            self.worker.stop()
+            self.worker = None
+        if self.transport is not None:
+            try:
+                if self.transport.connected:
+                    state_topic = topics.state(topics.CLOUD_SITE, self.settings.worker_id)
+                    self.transport.publish(state_topic, make(self._state("death"), sender=self.settings.worker_id),
+                                           retain=True, timeout=2.0)
+            finally:
+                self.transport.stop()
+                self.transport = None
+        if self._own_engine and self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+        if self._own_store and self.store is not None:
+            self.store.close()
+            self.store = None
+
+    def __enter__(self) -> "CloudService":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,122 @@
+"""The cloud service's configuration: the ``[cloud]`` section of the apiary config file.
+
+Precedence: file (``--config`` / ``$APIARY_CONFIG``), then ``APIARY__CLOUD__KEY``
+environment variables, then explicit values (CLI flags). Everything has a default that
+runs on one laptop: loopback HTTP on 8000, SQLite under ``.apiary/``, the registry model.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from cloud.errors import CloudError
+from shared.config import ConfigError, MqttConfig, load_section
+from shared.topics import DEFAULT_SHARE_GROUP
+
+
+def default_worker_id() -> str:
+    host = "".join(c if c.isalnum() or c in "_.-" else "-" for c in socket.gethostname())[:40] or "host"
+    return f"cloud-{host}-{os.getpid()}"
+
+
+class CloudSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # HTTP
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)  # 0: pick a free port
+    public_url: str | None = None  # how devices reach this server (OTA image URLs); default: the request's base URL
+    max_body_bytes: int = Field(default=1 << 20, ge=1024)  # larger request bodies get 413
+    api_key_file: str | None = ".apiary/cloud-keys.jsonl"
+    # auto: when no key is configured, make a process-local key with both scopes and print it once
+    generate_key: Literal["auto", "always", "never"] = "auto"
+    default_priority: int = Field(default=5, ge=0, le=9)  # REST requests without a priority
+    default_max_tokens: int = Field(default=256, ge=1)  # chat requests without max_tokens (capped to the context)
+    max_tokens_limit: int = Field(default=4096, ge=1)  # larger max_tokens are refused with 400
+    retry_after_s: int = Field(default=1, ge=1)  # Retry-After on 429
+
+    # MQTT
+    broker: str | None = None  # mqtt://host:port; None runs the REST API only
+    share_group: str = DEFAULT_SHARE_GROUP
+    worker_id: str = Field(default_factory=default_worker_id)
+    worker_concurrency: int = Field(default=32, ge=1)  # escalations in flight per worker
+    claim_lease_s: float = Field(default=60.0, gt=0)  # another worker may take over an unfinished claim after this
+    overload_retry_s: float = Field(default=10.0, ge=0)  # an escalation retries a full engine queue this long
+    # a persistent MQTT session keeps recording through restarts; it needs a stable worker_id
+    persistent_session: bool = False
+    record: bool = True  # run the fleet recorder (state, events, answers, OTA status)
+    escalations: bool = True  # run the escalation worker
+
+    # model + engine
+    model: str = "smollm2-135m-q4"  # a path (GGUF file or HF folder) or a shared.assets registry name
+    served_model_name: str | None = None  # the id clients send as "model"; default: derived from `model`
+    device: str = "cpu"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    kv_cache_mb: int = Field(default=512, ge=1)
+    max_num_seqs: int = Field(default=32, ge=1)
+    max_num_batched_tokens: int = Field(default=1024, ge=16)
+    max_waiting: int = Field(default=256, ge=1)  # beyond this the API answers 429
+    max_model_len: int | None = Field(default=None, ge=16)
+    num_threads: int | None = Field(default=None, ge=1)
+
+    # storage
+    db: str = ".apiary/cloud.db"
+    images: str = ".apiary/images"
+
+    @field_validator("share_group", "worker_id")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        import re
+
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", v):
+            raise ValueError(f"{v!r} must be 1-64 of [A-Za-z0-9_.-]")
+        return v
+
+    @field_validator("broker")
+    @classmethod
+    def _broker(cls, v: str | None) -> str | None:
+        if v:
+            MqttConfig.from_url(v)  # ConfigError is a ValueError: reported as a validation error
+        return v or None
+
+    @property
+    def mqtt(self) -> MqttConfig | None:
+        return MqttConfig.from_url(self.broker) if self.broker else None
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        name = Path(self.model).name
+        for suffix in (".gguf", ".safetensors"):
+            name = name.removesuffix(suffix)
+        return name or "apiary"
+
+    def resolve_model_path(self) -> Path:
+        """A path the engine can load: existing paths as is, registry names pulled via shared.assets."""
+        path = Path(self.model).expanduser()
+        if path.exists():
+            return path
+        from shared import assets
+
+        try:
+            return assets.ensure(self.model)
+        except assets.AssetError as e:
+            raise CloudError(f"model {self.model!r} is neither an existing path nor a usable registry name: {e}") from None
+
+
+def load_settings(path: str | Path | None = None, **explicit: Any) -> CloudSettings:
+    """``[cloud]`` from the config file, environment, then ``explicit`` (None values are ignored)."""
+    try:
+        # explicit values are merged here, not passed to load_section: "model" is one of its own parameter names
+        base = load_section("cloud", CloudSettings, path)
+        merged = {**base.model_dump(exclude_unset=True), **{k: v for k, v in explicit.items() if v is not None}}
+        return CloudSettings.model_validate(merged)
+    except ConfigError as e:
+        raise CloudError(str(e)) from None
+    except ValidationError as e:
+        raise CloudError(f"invalid [cloud] configuration: {e}") from None

@@ -1,0 +1,321 @@
+"""Durable cloud state: fleet, events, answers, OTA progress and escalation results.
+
+Everything a replica needs to answer correctly lives here, never only in one worker's
+memory: an escalation answered by one worker is found by any other worker (or the same
+one after a restart) when the edge re-sends it. :class:`Store` is the contract;
+:class:`SqliteStore` implements it on SQLite in WAL mode (several processes on one
+machine share the file). The SQL is plain enough for a PostgreSQL backend to follow.
+
+Every write keyed by an envelope id is idempotent, so several replicas recording the
+same broadcast message (or a QoS 1 redelivery) store it once.
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from cloud.errors import CloudError
+from shared.protocol import DeviceState, InferenceResult, OtaStatus, SensorEvent
+
+ClaimState = Literal["claimed", "answered", "busy"]
+
+
+@dataclass(slots=True)
+class Claim:
+    """Outcome of trying to take an escalation: compute it, re-send a stored answer, or leave it."""
+
+    state: ClaimState
+    result: InferenceResult | None = None  # set when state == "answered"
+
+
+class Store(ABC):
+    """What the recorder, the escalation worker and the operator API need from storage."""
+
+    # fleet
+    @abstractmethod
+    def record_state(self, state: DeviceState, *, received_at: float | None = None) -> bool:
+        """Apply a birth/death/update; False when it is stale (older session than the latest birth)."""
+
+    @abstractmethod
+    def devices(self, site: str | None = None) -> list[dict[str, Any]]: ...
+
+    # events, answers, OTA progress
+    @abstractmethod
+    def record_event(self, envelope_id: str, event: SensorEvent, *, received_at: float | None = None) -> bool: ...
+
+    @abstractmethod
+    def events(self, site: str, device: str, limit: int = 50) -> list[dict[str, Any]]: ...
+
+    @abstractmethod
+    def record_answer(self, envelope_id: str, result: InferenceResult, *, received_at: float | None = None) -> bool: ...
+
+    @abstractmethod
+    def answers(self, site: str, device: str, limit: int = 50) -> list[dict[str, Any]]: ...
+
+    @abstractmethod
+    def record_ota_status(self, envelope_id: str, status: OtaStatus, *, received_at: float | None = None) -> bool: ...
+
+    @abstractmethod
+    def ota_statuses(self, site: str, device: str, limit: int = 50) -> list[dict[str, Any]]: ...
+
+    # escalations
+    @abstractmethod
+    def claim_escalation(self, key: str, *, request_id: str, site: str, device: str, priority: int, reason: str,
+                         worker: str, lease_s: float, now: float | None = None) -> Claim:
+        """Take ``key`` for computing, or return its stored answer, or say another worker holds a live claim."""
+
+    @abstractmethod
+    def finish_escalation(self, key: str, result: InferenceResult, *, finished_at: float | None = None) -> None: ...
+
+    @abstractmethod
+    def release_escalation(self, key: str) -> None:
+        """Drop an unfinished claim (e.g. shutdown mid-request) so a redelivery can be computed."""
+
+    @abstractmethod
+    def escalations(self, limit: int = 50, *, site: str | None = None, outcome: str | None = None) -> list[dict[str, Any]]: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS devices (
+    site TEXT NOT NULL, device TEXT NOT NULL, role TEXT NOT NULL, online INTEGER NOT NULL,
+    status TEXT NOT NULL, session INTEGER NOT NULL, battery_soc REAL, battery_v REAL, solar_w REAL,
+    model_version TEXT, image_version TEXT, budget_tokens_per_hour REAL, counters TEXT NOT NULL DEFAULT '{}',
+    first_seen REAL NOT NULL, last_seen REAL NOT NULL, last_birth REAL, last_death REAL,
+    PRIMARY KEY (site, device)
+);
+CREATE TABLE IF NOT EXISTS events (
+    envelope_id TEXT PRIMARY KEY, site TEXT NOT NULL, device TEXT NOT NULL, seq INTEGER NOT NULL,
+    timestamp REAL NOT NULL, severity TEXT NOT NULL, kind TEXT NOT NULL, received_at REAL NOT NULL, body TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_by_device ON events (site, device, received_at);
+CREATE TABLE IF NOT EXISTS answers (
+    envelope_id TEXT PRIMARY KEY, site TEXT NOT NULL, device TEXT NOT NULL, request_id TEXT NOT NULL,
+    tier TEXT NOT NULL, status TEXT NOT NULL, event_seq INTEGER, latency_ms REAL NOT NULL,
+    received_at REAL NOT NULL, body TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS answers_by_device ON answers (site, device, received_at);
+CREATE TABLE IF NOT EXISTS ota_status (
+    envelope_id TEXT PRIMARY KEY, site TEXT NOT NULL, device TEXT NOT NULL, image_version TEXT NOT NULL,
+    phase TEXT NOT NULL, detail TEXT NOT NULL, progress REAL, received_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS ota_by_device ON ota_status (site, device, received_at);
+CREATE TABLE IF NOT EXISTS escalations (
+    key TEXT PRIMARY KEY, request_id TEXT NOT NULL, site TEXT NOT NULL, device TEXT NOT NULL,
+    priority INTEGER NOT NULL, reason TEXT NOT NULL, worker TEXT NOT NULL,
+    state TEXT NOT NULL,               -- 'pending' while a worker computes, 'done' once answered
+    outcome TEXT,                      -- the result's status: ok | expired | error | rejected | deferred
+    received_at REAL NOT NULL, claimed_at REAL NOT NULL, finished_at REAL, latency_ms REAL,
+    prompt_tokens INTEGER, completion_tokens INTEGER, result TEXT
+);
+CREATE INDEX IF NOT EXISTS escalations_by_request ON escalations (site, device, request_id);
+CREATE INDEX IF NOT EXISTS escalations_by_time ON escalations (received_at);
+"""
+
+
+def _json(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), default=str)
+
+
+class SqliteStore(Store):
+    """SQLite in WAL mode; one connection guarded by a lock (writes are tiny, reads are indexed)."""
+
+    def __init__(self, path: str | Path = ":memory:") -> None:
+        self.path = str(path)
+        if self.path != ":memory:":
+            try:
+                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise CloudError(f"cannot create the database directory for {self.path}: {e}") from None
+        try:
+            self._db = sqlite3.connect(self.path, timeout=10.0, check_same_thread=False, isolation_level=None)
+            self._db.row_factory = sqlite3.Row
+            if self.path != ":memory:":
+                self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA busy_timeout=10000")
+            self._db.executescript(_SCHEMA)
+        except sqlite3.DatabaseError as e:
+            raise CloudError(f"cannot open database {self.path}: {e}") from None
+        self._lock = threading.Lock()
+
+    @property
+    def journal_mode(self) -> str:
+        return self._query("PRAGMA journal_mode")[0][0]
+
+    def _query(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    def _write(self, sql: str, args: tuple = ()) -> int:
+        with self._lock:
+            return self._db.execute(sql, args).rowcount
+
+    # ---- fleet -----------------------------------------------------------------------------
+    def record_state(self, state: DeviceState, *, received_at: float | None = None) -> bool:
+        now = received_at or time.time()
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                row = self._db.execute("SELECT session FROM devices WHERE site=? AND device=?",
+                                       (state.site, state.device)).fetchone()
+                if row is not None and state.session < row["session"]:
+                    self._db.execute("COMMIT")
+                    return False  # a death (or update) from an older session than the latest birth
+                online = bool(state.online) and state.status != "death"
+                self._db.execute(
+                    """INSERT INTO devices (site, device, role, online, status, session, battery_soc, battery_v,
+                           solar_w, model_version, image_version, budget_tokens_per_hour, counters, first_seen,
+                           last_seen, last_birth, last_death)
+                       VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)
+                       ON CONFLICT (site, device) DO UPDATE SET
+                           role=excluded.role, online=excluded.online, status=excluded.status,
+                           session=excluded.session,
+                           battery_soc=COALESCE(excluded.battery_soc, devices.battery_soc),
+                           battery_v=COALESCE(excluded.battery_v, devices.battery_v),
+                           solar_w=COALESCE(excluded.solar_w, devices.solar_w),
+                           model_version=COALESCE(excluded.model_version, devices.model_version),
+                           image_version=COALESCE(excluded.image_version, devices.image_version),
+                           budget_tokens_per_hour=COALESCE(excluded.budget_tokens_per_hour,
+                                                           devices.budget_tokens_per_hour),
+                           counters=CASE WHEN excluded.counters = '{}' THEN devices.counters
+                                         ELSE excluded.counters END,
+                           last_seen=excluded.last_seen,
+                           last_birth=COALESCE(excluded.last_birth, devices.last_birth),
+                           last_death=COALESCE(excluded.last_death, devices.last_death)""",
+                    (state.site, state.device, state.role, int(online), state.status, state.session,
+                     state.battery_soc, state.battery_v, state.solar_w, state.model_version, state.image_version,
+                     state.budget_tokens_per_hour, _json(state.counters), now, now,
+                     now if state.status == "birth" else None, now if state.status == "death" else None))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return True
+
+    def devices(self, site: str | None = None) -> list[dict[str, Any]]:
+        sql = "SELECT * FROM devices" + (" WHERE site=?" if site else "") + " ORDER BY site, device"
+        rows = self._query(sql, (site,) if site else ())
+        out = []
+        for r in rows:
+            d = dict(r)
+            d["online"] = bool(d["online"])
+            d["counters"] = json.loads(d["counters"])
+            last_ota = self._query("SELECT image_version, phase, detail, progress, received_at FROM ota_status "
+                                   "WHERE site=? AND device=? ORDER BY received_at DESC LIMIT 1",
+                                   (d["site"], d["device"]))
+            d["last_ota"] = dict(last_ota[0]) if last_ota else None
+            out.append(d)
+        return out
+
+    # ---- events, answers, OTA progress -----------------------------------------------------
+    def record_event(self, envelope_id: str, event: SensorEvent, *, received_at: float | None = None) -> bool:
+        return self._write(
+            "INSERT OR IGNORE INTO events VALUES (?,?,?,?,?,?,?,?,?)",
+            (envelope_id, event.site, event.device, event.seq, event.timestamp, str(event.severity), event.kind, received_at or time.time(),
+             _json(event.model_dump(mode="json")))) == 1
+
+    def events(self, site: str, device: str, limit: int = 50) -> list[dict[str, Any]]:
+        rows = self._query("SELECT envelope_id, received_at, body FROM events WHERE site=? AND device=? "
+                           "ORDER BY received_at DESC, rowid DESC LIMIT ?", (site, device, limit))
+        return [{"envelope_id": r["envelope_id"], "received_at": r["received_at"], **json.loads(r["body"])}
+                for r in rows]
+
+    def record_answer(self, envelope_id: str, result: InferenceResult, *, received_at: float | None = None) -> bool:
+        return self._write(
+            "INSERT OR IGNORE INTO answers VALUES (?,?,?,?,?,?,?,?,?,?)",
+            (envelope_id, result.site, result.device, result.request_id, result.tier, result.status, result.event_seq,
+             result.latency_ms, received_at or time.time(), _json(result.model_dump(mode="json")))) == 1
+
+    def answers(self, site: str, device: str, limit: int = 50) -> list[dict[str, Any]]:
+        rows = self._query("SELECT envelope_id, received_at, body FROM answers WHERE site=? AND device=? "
+                           "ORDER BY received_at DESC, rowid DESC LIMIT ?", (site, device, limit))
+        return [{"envelope_id": r["envelope_id"], "received_at": r["received_at"], **json.loads(r["body"])}
+                for r in rows]
+
+    def record_ota_status(self, envelope_id: str, status: OtaStatus, *, received_at: float | None = None) -> bool:
+        return self._write(
+            "INSERT OR IGNORE INTO ota_status VALUES (?,?,?,?,?,?,?,?)",
+            (envelope_id, status.site, status.device, status.image_version, status.phase, status.detail,
+             status.progress, received_at or time.time())) == 1
+
+    def ota_statuses(self, site: str, device: str, limit: int = 50) -> list[dict[str, Any]]:
+        rows = self._query("SELECT * FROM ota_status WHERE site=? AND device=? "
+                           "ORDER BY received_at DESC, rowid DESC LIMIT ?", (site, device, limit))
+        return [dict(r) for r in rows]
+
+    # ---- escalations -----------------------------------------------------------------------
+    def claim_escalation(self, key: str, *, request_id: str, site: str, device: str, priority: int, reason: str,
+                         worker: str, lease_s: float, now: float | None = None) -> Claim:
+        now = now or time.time()
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                # A re-sent request may come in a new envelope: match on the envelope id or the request id.
+                row = self._db.execute(
+                    "SELECT * FROM escalations WHERE key=? OR (site=? AND device=? AND request_id=?) "
+                    "ORDER BY (state='done') DESC LIMIT 1", (key, site, device, request_id)).fetchone()
+                if row is not None and row["state"] == "done":
+                    self._db.execute("COMMIT")
+                    return Claim("answered", InferenceResult.model_validate_json(row["result"]))
+                if row is not None and now - row["claimed_at"] < lease_s:
+                    self._db.execute("COMMIT")
+                    return Claim("busy")
+                if row is not None:  # the claiming worker died or gave up: take over its lease
+                    self._db.execute("UPDATE escalations SET worker=?, claimed_at=? WHERE key=?",
+                                     (worker, now, row["key"]))
+                else:
+                    self._db.execute(
+                        "INSERT INTO escalations (key, request_id, site, device, priority, reason, worker, state, "
+                        "received_at, claimed_at) VALUES (?,?,?,?,?,?,?,'pending',?,?)",
+                        (key, request_id, site, device, priority, reason, worker, now, now))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return Claim("claimed")
+
+    def finish_escalation(self, key: str, result: InferenceResult, *, finished_at: float | None = None) -> None:
+        now = finished_at or time.time()
+        self._write(
+            "UPDATE escalations SET state='done', outcome=?, finished_at=?, latency_ms=?, prompt_tokens=?, "
+            "completion_tokens=?, result=? WHERE key=? OR (site=? AND device=? AND request_id=? AND state='pending')",
+            (result.status, now, result.latency_ms, result.prompt_tokens, result.completion_tokens,
+             result.model_dump_json(), key, result.site, result.device, result.request_id))
+
+    def release_escalation(self, key: str) -> None:
+        self._write("DELETE FROM escalations WHERE key=? AND state='pending'", (key,))
+
+    def escalations(self, limit: int = 50, *, site: str | None = None, outcome: str | None = None) -> list[dict[str, Any]]:
+        where, args = [], []
+        if site:
+            where.append("site=?")
+            args.append(site)
+        if outcome:
+            where.append("outcome=?")
+            args.append(outcome)
+        sql = ("SELECT key, request_id, site, device, priority, reason, worker, state, outcome, received_at, "
+               "finished_at, latency_ms, prompt_tokens, completion_tokens, result FROM escalations"
+               + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY received_at DESC LIMIT ?")
+        rows = self._query(sql, (*args, limit))
+        out = []
+        for r in rows:
+            d = dict(r)
+            result = json.loads(d.pop("result")) if d["result"] else None
+            d["text"] = result.get("text", "") if result else None
+            d["action"] = result.get("action") if result else None
+            d["error"] = result.get("error") if result else None
+            out.append(d)
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()

@@ -1,0 +1,246 @@
+"""The MQTT escalation worker: answers edge escalations with the cloud engine.
+
+N workers on N machines subscribe the same shared subscription
+(``$share/<group>/apiary/v1/+/+/escalate``), so the broker hands each request to one of
+them. For every request the worker
+
+1. claims it in the store, keyed by the envelope id (and the request id, for re-sends in
+   a new envelope): an already answered request gets its stored answer again, without
+   computing, whichever worker or restart sees it; a request another worker is still
+   computing is left to that worker;
+2. answers ``expired`` without computing when its deadline has passed, and gives up the
+   same way when the deadline passes while it is queued or running (the engine request is
+   aborted, its KV blocks freed);
+3. runs the engine at the request's priority (smaller = more urgent, the same scale on
+   both sides) and replies ``InferenceResult(tier="cloud")`` to the request's reply-to
+   with its correlation id;
+4. stores the result with its outcome and latency.
+
+MQTT handlers run on the network thread; the worker hands each request to its own
+asyncio loop thread and never blocks the network thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass
+
+from shared import topics
+from shared.logs import bind, get_logger
+from shared.protocol import Envelope, InferenceRequest, InferenceResult
+
+from cloud.actions import generate_action
+from cloud.metrics import Metrics
+from cloud.store import Store
+
+_log = get_logger("cloud.worker")
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    worker_id: str
+    model_name: str
+    share_group: str = topics.DEFAULT_SHARE_GROUP
+    concurrency: int = 32
+    claim_lease_s: float = 60.0
+    overload_retry_s: float = 10.0  # keep retrying a full engine queue this long before answering "deferred"
+
+
+class EscalationWorker:
+    def __init__(self, engine, store: Store, config: WorkerConfig, metrics: Metrics | None = None) -> None:
+        self.engine = engine  # cloud.engine.AsyncEngine
+        self.store = store
+        self.config = config
+        self.metrics = metrics or Metrics()
+        self.transport = None
+        self.stats = {"received": 0, "computed": 0, "cached": 0, "busy": 0, "expired": 0, "errors": 0, "ignored": 0,
+                      "overload_retries": 0}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name=f"escalations-{config.worker_id}", daemon=True)
+        self._inflight: dict[tuple[str, str, str], list[Envelope]] = {}  # (site, device, request id) -> waiters
+        self._tasks: set[asyncio.Task] = set()
+        self._semaphore: asyncio.Semaphore | None = None
+        self._started = False
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def start(self, transport) -> None:
+        """Start the loop thread and subscribe to the shared escalation filter on ``transport``."""
+        self.transport = transport
+        self._thread.start()
+        self._started = True
+        # dedup=False: a store-and-forward retry re-sends the same envelope; the worker answers it again
+        # (from SQLite or by joining the computation in flight), which the transport's id filter would prevent
+        transport.subscribe(topics.escalations_shared(self.config.share_group), self.on_message, qos=1, dedup=False)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Cancel what is still running (its claims are released for redelivery) and stop the loop."""
+        if not self._started:
+            return
+        self._started = False
+
+        async def cancel_all() -> None:
+            for task in list(self._tasks):
+                task.cancel()
+            if self._tasks:
+                await asyncio.wait(list(self._tasks), timeout=timeout)
+
+        asyncio.run_coroutine_threadsafe(cancel_all(), self._loop).result(timeout + 1)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout)
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._semaphore = asyncio.Semaphore(self.config.concurrency)
+        self._loop.run_forever()
+        self._loop.run_until_complete(self._loop.shutdown_asyncgens())  # engine streams abort their requests
+        self._loop.close()
+
+    # ---- message path ---------------------------------------------------------------------------
+    def on_message(self, topic: str, env: Envelope) -> None:
+        """MQTT thread: hand the request to the worker loop and return at once."""
+        if not self._started:
+            return
+        self._loop.call_soon_threadsafe(self._spawn, env, time.time())
+
+    def _spawn(self, env: Envelope, received_at: float) -> None:
+        task = self._loop.create_task(self.handle(env, received_at))
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # e.g. the database went away
+            self.stats["errors"] += 1
+            _log.error("escalation handling failed (the edge's retry will come back): %r", task.exception())
+
+    async def handle(self, env: Envelope, received_at: float | None = None) -> InferenceResult | None:
+        """Answer one escalation envelope (exactly one reply per envelope unless another worker owns it)."""
+        received_at = received_at or time.time()
+        self.stats["received"] += 1
+        req = env.body
+        if not isinstance(req, InferenceRequest):
+            self.stats["ignored"] += 1
+            _log.warning("ignored %s from %s on the escalation topic: not an inference_request", env.type, env.sender)
+            return None
+        if not env.reply_to:
+            self.stats["ignored"] += 1
+            _log.warning("ignored escalation %s from %s: no reply-to", req.request_id, env.sender)
+            return None
+        key, ident = env.id, (req.site, req.device, req.request_id)
+        with bind(site=req.site, device=req.device, request_id=req.request_id):
+            waiting = self._inflight.get(ident)
+            if waiting is not None:  # re-sent while this worker computes it: answer both when done
+                waiting.append(env)
+                return None
+            self._inflight[ident] = [env]  # reserve before the first await: a re-send now joins this one
+            try:
+                claim = await asyncio.to_thread(  # SQLite may wait on another process's write lock
+                    self.store.claim_escalation, key, request_id=req.request_id, site=req.site, device=req.device,
+                    priority=req.priority, reason=req.reason, worker=self.config.worker_id,
+                    lease_s=self.config.claim_lease_s, now=received_at)
+            except BaseException:
+                self._inflight.pop(ident, None)
+                raise
+            if claim.state != "claimed":
+                waiters = self._inflight.pop(ident, [env])
+            if claim.state == "answered":
+                self.stats["cached"] += len(waiters)
+                self.metrics.escalations.labels(outcome="duplicate").inc(len(waiters))
+                for waiter in waiters:
+                    self._reply(waiter, claim.result)
+                return claim.result
+            if claim.state == "busy":
+                self.stats["busy"] += 1
+                _log.info("escalation %s is being computed by another worker", req.request_id)
+                return None
+            try:
+                result = await self._answer(req, received_at)
+            except asyncio.CancelledError:
+                self.store.release_escalation(key)
+                self._inflight.pop(ident, None)
+                raise
+            await asyncio.to_thread(self.store.finish_escalation, key, result)
+            for waiter in self._inflight.pop(ident, [env]):
+                self._reply(waiter, result)
+            self.metrics.escalations.labels(outcome=result.status).inc()
+            self.metrics.escalation_latency.labels(outcome=result.status).observe(result.latency_ms / 1000)
+            return result
+
+    def _reply(self, env: Envelope, result: InferenceResult) -> None:
+        if self.transport is None:
+            return
+        if not self.transport.reply(env, result):
+            _log.warning("reply to %s could not be queued", env.reply_to)
+
+    # ---- inference ------------------------------------------------------------------------------
+    async def _answer(self, req: InferenceRequest, received_at: float) -> InferenceResult:
+        from cloud.engine import EngineError, EngineOverloaded, RequestRejected
+
+        def result(status: str, **fields) -> InferenceResult:
+            return InferenceResult(
+                request_id=req.request_id, site=req.site, device=req.device, status=status, tier="cloud",
+                event_seq=req.event.seq if req.event else None, escalation_reason=req.reason or None,
+                model=self.config.model_name, latency_ms=(time.time() - received_at) * 1000, **fields)
+
+        remaining = None if req.deadline is None else req.deadline - time.time()
+        if remaining is not None and remaining <= 0:
+            self.stats["expired"] += 1
+            return result("expired", error=f"deadline passed {-remaining:.1f} s before the cloud saw the request")
+        try:
+            outcome = await asyncio.wait_for(self._limited(req), timeout=remaining)
+        except TimeoutError:
+            self.stats["expired"] += 1
+            return result("expired", error="deadline passed while the request was queued or running")
+        except EngineOverloaded as e:
+            return result("deferred", error=f"cloud engine overloaded, retry later: {e}")
+        except RequestRejected as e:
+            return result("rejected", error=str(e))
+        except (EngineError, ValueError) as e:
+            self.stats["errors"] += 1
+            return result("error", error=f"{type(e).__name__}: {e}")
+        self.stats["computed"] += 1
+        text, action, error, prompt_tokens, completion_tokens = outcome
+        self.metrics.tokens.labels(path="mqtt", kind="prompt").inc(prompt_tokens)
+        self.metrics.tokens.labels(path="mqtt", kind="completion").inc(completion_tokens)
+        self.metrics.e2e.labels(path="mqtt").observe(time.time() - received_at)
+        return result("error" if error else "ok", text=text, action=action, error=error,
+                      prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+
+    async def _limited(self, req: InferenceRequest) -> tuple[str, dict | None, str | None, int, int]:
+        """Run within the worker's concurrency; a full engine queue is retried with backoff, not bounced."""
+        from cloud.engine import EngineOverloaded
+
+        async with self._semaphore:
+            give_up = time.monotonic() + self.config.overload_retry_s
+            delay = 0.05
+            while True:
+                try:
+                    return await self._infer(req)
+                except EngineOverloaded:
+                    if time.monotonic() + delay > give_up:
+                        raise
+                    self.stats["overload_retries"] += 1
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 1.0)
+
+    async def _infer(self, req: InferenceRequest) -> tuple[str, dict | None, str | None, int, int]:
+        from cloud.engine import RequestRejected, SamplingParams
+
+        messages = [m.model_dump() for m in req.messages]
+        if not messages and req.prompt is None and req.event is not None:
+            from shared.prompting import build_messages
+
+            messages = [m.model_dump() for m in build_messages(req.event, list(req.context))]
+        if not messages and req.prompt is None:
+            raise RequestRejected("the request has neither messages, a prompt nor an event")
+        if req.response_format == "json_action":
+            tok = getattr(self.engine, "engine", self.engine).tokenizer
+            chat = tok.apply_chat_template(messages, add_generation_prompt=True) if messages else req.prompt
+            out = await generate_action(self.engine, chat, max_tokens=req.max_tokens, temperature=req.temperature,
+                                        priority=req.priority)
+            return out.text, out.action, out.error, out.prompt_tokens, out.completion_tokens
+        params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature)
+        out = await self.engine.generate(prompt=None if messages else req.prompt, messages=messages or None,
+                                         params=params, priority=req.priority)
+        return out.text, None, None, len(out.prompt_token_ids), len(out.output_token_ids)

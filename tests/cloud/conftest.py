@@ -1,0 +1,60 @@
+"""Cloud-service fixtures: one real engine for the session, services around it on free ports."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+
+from cloud.auth import KeyRing
+from cloud.service import CloudService
+from cloud.settings import CloudSettings
+
+# One small real engine for every cloud test: loading SmolLM2 costs seconds, serving it costs less.
+# max_num_seqs=4 / max_waiting=6 keep the queue small enough to fill deterministically (429 test) and
+# big enough for one JSON action's sampled votes (cloud.actions.VOTE_SAMPLES = 5).
+ENGINE_LIMITS = dict(max_num_seqs=4, max_waiting=6, max_model_len=2048, max_num_batched_tokens=1024,
+                     kv_cache_bytes=96 << 20)
+MODEL_NAME = "smollm2-test"
+
+
+@pytest.fixture(scope="session")
+def cloud_engine(gguf_path: Path):
+    from cloud.engine import AsyncEngine, EngineConfig, LLMEngine
+
+    engine = AsyncEngine(LLMEngine(EngineConfig(model_path=gguf_path, dtype="float32", **ENGINE_LIMITS)))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> KeyRing:
+    return KeyRing(tmp_path / "keys.jsonl")
+
+
+@pytest.fixture
+def make_service(tmp_path: Path, cloud_engine, keys: KeyRing, gguf_path: Path) -> Iterator[Callable[..., CloudService]]:
+    """Start CloudServices on the shared engine (each on a free port); all are stopped afterwards."""
+    services: list[CloudService] = []
+
+    def make(**overrides) -> CloudService:
+        fields = dict(port=0, db=str(tmp_path / "cloud.db"), api_key_file=str(keys.path), generate_key="never",
+                      images=str(tmp_path / "images"), model=str(gguf_path), served_model_name=MODEL_NAME,
+                      worker_concurrency=2)
+        fields.update(overrides)
+        service = CloudService(CloudSettings(**fields), engine=cloud_engine)
+        services.append(service)
+        service.start()
+        return service
+
+    yield make
+    for service in reversed(services):
+        service.stop()
+
+
+@pytest.fixture
+def idle_engine(cloud_engine):
+    """The shared engine, checked idle before and after the test (no leaked requests or KV blocks)."""
+    yield cloud_engine
+    m = cloud_engine.metrics()
+    assert m["requests_running"] == 0 and m["requests_waiting"] == 0, m

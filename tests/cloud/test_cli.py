@@ -1,0 +1,75 @@
+"""`apiary cloud keys create` and `apiary cloud serve` as an operator runs them."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from apiary.cli import app
+from cloud.auth import KeyRing
+from shared import topics
+from shared.protocol import DeviceState, InferenceRequest, make
+from shared.transport import MqttTransport
+
+
+def test_keys_create(tmp_path):
+    path = tmp_path / "keys.jsonl"
+    result = CliRunner().invoke(app, ["cloud", "keys", "create", "--scope", "operator", "--scope", "inference",
+                                      "--name", "ops", "--api-key-file", str(path)])
+    assert result.exit_code == 0, result.output
+    key = result.stdout.strip().splitlines()[0]
+    assert KeyRing(path).verify(key).scopes == frozenset({"operator", "inference"})
+    assert json.loads(path.read_text())["name"] == "ops"
+    bad = CliRunner().invoke(app, ["cloud", "keys", "create", "--scope", "root", "--api-key-file", str(path)])
+    assert bad.exit_code == 2 and "scopes" in bad.output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_serve_subprocess_end_to_end(tmp_path, gguf_path, mosquitto):
+    """The real command: loads the model, prints URL + key, answers REST and MQTT, leaves a death certificate."""
+    env = {**os.environ, "APIARY__CLOUD__KV_CACHE_MB": "32", "APIARY__CLOUD__MAX_MODEL_LEN": "256",
+           "APIARY_LOG_LEVEL": "WARNING"}
+    cmd = [sys.executable, "-c", "from apiary.cli import app; app()", "cloud", "serve", "--port", "0",
+           "--model", str(gguf_path), "--broker", mosquitto.config.url, "--db", str(tmp_path / "c.db"),
+           "--api-key-file", str(tmp_path / "keys.jsonl"), "--images", str(tmp_path / "img"), "--worker-id", "cli-w"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    states: list = []
+    edge = MqttTransport(mosquitto.config, "cli-edge", persistent=False)
+    try:
+        url = proc.stdout.readline().split()[4]
+        key = proc.stdout.readline().rsplit(" ", 1)[1].strip()
+        auth = {"Authorization": f"Bearer {key}"}
+        r = httpx.post(f"{url}/v1/completions", headers=auth, timeout=60,
+                       json={"prompt": "Honey bees live in a", "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        replies: list = []
+        edge.subscribe(topics.reply("farm", "h1"), lambda t, e: replies.append(e))
+        edge.subscribe(topics.state(topics.CLOUD_SITE, "cli-w"), lambda t, e: states.append(e.body))
+        edge.start()
+        req = InferenceRequest(request_id="cli-1", site="farm", device="h1", prompt="Bees", max_tokens=2,
+                               response_format="text")
+        edge.publish(topics.escalate("farm", "h1"), make(req, sender="h1", reply_to=topics.reply("farm", "h1")))
+        deadline = time.monotonic() + 60
+        while not replies and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert replies and replies[0].body.status == "ok" and replies[0].body.completion_tokens == 2
+        assert states and states[-1].status == "birth"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        deadline = time.monotonic() + 10
+        while states[-1].status != "death" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert isinstance(states[-1], DeviceState) and states[-1].status == "death" and not states[-1].online
+    finally:
+        edge.stop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

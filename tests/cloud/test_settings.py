@@ -1,0 +1,36 @@
+"""The [cloud] section: file, environment, explicit values; bad values fail as CloudError."""
+from __future__ import annotations
+
+import pytest
+
+from cloud.errors import CloudError
+from cloud.settings import load_settings
+
+
+def test_file_env_explicit_precedence(tmp_path, monkeypatch):
+    cfg = tmp_path / "apiary.toml"
+    cfg.write_text('[cloud]\nport = 9000\nbroker = "mqtt://broker.lan:1884"\nmax_waiting = 10\n')
+    monkeypatch.setenv("APIARY__CLOUD__MAX_WAITING", "20")
+    s = load_settings(cfg, port=None, db="/tmp/x.db")
+    assert s.port == 9000 and s.max_waiting == 20 and s.db == "/tmp/x.db"
+    assert s.mqtt.host == "broker.lan" and s.mqtt.port == 1884
+    assert load_settings(cfg, port=0).port == 0
+
+
+def test_bad_values(tmp_path):
+    with pytest.raises(CloudError, match="broker"):
+        load_settings(None, broker="http://nope")
+    with pytest.raises(CloudError, match="worker_id"):
+        load_settings(None, worker_id="has space")
+    with pytest.raises(CloudError, match="unknown_key|extra"):
+        load_settings(None, unknown_key=1)
+
+
+def test_model_name_and_resolution(tmp_path):
+    model = tmp_path / "tiny.gguf"
+    model.write_bytes(b"GGUF")
+    s = load_settings(None, model=str(model))
+    assert s.model_name == "tiny" and s.resolve_model_path() == model
+    assert load_settings(None, model=str(model), served_model_name="bees").model_name == "bees"
+    with pytest.raises(CloudError, match="neither an existing path"):
+        load_settings(None, model="no-such-model").resolve_model_path()

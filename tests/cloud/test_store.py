@@ -1,0 +1,114 @@
+"""The storage layer on real SQLite files: session rules, idempotency, escalation claims."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from cloud.errors import CloudError
+from cloud.store import SqliteStore
+from shared.protocol import DeviceState, InferenceResult, OtaStatus, SensorEvent
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = SqliteStore(tmp_path / "db" / "cloud.db")
+    yield s
+    s.close()
+
+
+def state(status: str, session: int, **kw) -> DeviceState:
+    return DeviceState(site="meadow", device="hive-1", status=status, online=status != "death", session=session, **kw)
+
+
+def result(request_id: str = "r1", status: str = "ok", text: str = "answer") -> InferenceResult:
+    return InferenceResult(request_id=request_id, site="meadow", device="hive-1", tier="cloud", status=status,
+                           text=text, latency_ms=12.5, prompt_tokens=30, completion_tokens=5)
+
+
+def test_wal_mode_and_bad_path(store, tmp_path):
+    assert store.journal_mode == "wal"
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CloudError, match="cannot"):
+        SqliteStore(tmp_path / "file" / "cloud.db")
+    (tmp_path / "garbage.db").write_bytes(b"not a database" * 100)
+    with pytest.raises(CloudError, match="cannot open database"):
+        SqliteStore(tmp_path / "garbage.db")
+
+
+def test_birth_death_sessions(store):
+    assert store.record_state(state("birth", 5, battery_soc=0.9, model_version="m1"))
+    assert not store.record_state(state("death", 4))  # the Last Will of an older session
+    (d,) = store.devices()
+    assert d["online"] and d["session"] == 5 and d["battery_soc"] == 0.9
+    assert store.record_state(state("update", 5, battery_soc=0.7))  # partial update keeps other fields
+    (d,) = store.devices()
+    assert d["battery_soc"] == 0.7 and d["model_version"] == "m1"
+    assert store.record_state(state("death", 5))
+    (d,) = store.devices()
+    assert not d["online"] and d["status"] == "death" and d["last_death"] is not None
+    assert store.record_state(state("birth", 6))
+    assert store.devices()[0]["online"]
+    assert store.devices(site="elsewhere") == []
+
+
+def test_events_answers_ota_are_idempotent_and_newest_first(store):
+    for seq in range(5):
+        ev = SensorEvent(site="meadow", device="hive-1", seq=seq, timestamp=1000.0 + seq, readings={"t": float(seq)})
+        assert store.record_event(f"env-{seq}", ev, received_at=2000.0 + seq)
+    assert not store.record_event("env-4", ev)  # a QoS 1 redelivery or a second replica: stored once
+    assert [e["seq"] for e in store.events("meadow", "hive-1", limit=3)] == [4, 3, 2]
+    assert store.events("meadow", "other") == []
+    assert store.record_answer("a-1", result())
+    assert not store.record_answer("a-1", result())
+    assert store.answers("meadow", "hive-1")[0]["text"] == "answer"
+    st = OtaStatus(site="meadow", device="hive-1", image_version="2.0", phase="verified")
+    assert store.record_ota_status("o-1", st) and not store.record_ota_status("o-1", st)
+    store.record_state(state("birth", 1))
+    assert store.devices()[0]["last_ota"]["phase"] == "verified"
+
+
+def test_escalation_claims(store):
+    claim = dict(request_id="r1", site="meadow", device="hive-1", priority=2, reason="low conf", lease_s=30.0)
+    assert store.claim_escalation("env-1", worker="w1", now=100.0, **claim).state == "claimed"
+    assert store.claim_escalation("env-1", worker="w2", now=110.0, **claim).state == "busy"
+    # the same request re-sent in a new envelope is the same escalation
+    assert store.claim_escalation("env-2", worker="w2", now=110.0, **claim).state == "busy"
+    store.finish_escalation("env-1", result(), finished_at=101.0)
+    again = store.claim_escalation("env-2", worker="w2", now=120.0, **claim)
+    assert again.state == "answered" and again.result == result()
+    (row,) = store.escalations()
+    assert row["outcome"] == "ok" and row["state"] == "done" and row["latency_ms"] == 12.5 and row["worker"] == "w1"
+    assert store.escalations(outcome="expired") == [] and len(store.escalations(site="meadow")) == 1
+
+
+def test_escalation_lease_takeover_and_release(store):
+    claim = dict(request_id="r2", site="meadow", device="hive-1", priority=0, reason="", lease_s=30.0)
+    assert store.claim_escalation("env-9", worker="w1", now=100.0, **claim).state == "claimed"
+    # w1 died mid-request: after the lease another worker takes over
+    assert store.claim_escalation("env-9", worker="w2", now=131.0, **claim).state == "claimed"
+    assert store.escalations()[0]["worker"] == "w2"
+    store.release_escalation("env-9")
+    assert store.escalations() == []
+
+
+def test_concurrent_claims_across_connections(tmp_path):
+    """Two processes' connections racing for one request: exactly one wins."""
+    path = tmp_path / "shared.db"
+    stores = [SqliteStore(path) for _ in range(4)]
+    outcomes: list[str] = []
+    barrier = threading.Barrier(len(stores))
+
+    def race(s: SqliteStore, i: int) -> None:
+        barrier.wait()
+        outcomes.append(s.claim_escalation("env-x", request_id="rx", site="s", device="d", priority=1, reason="",
+                                           worker=f"w{i}", lease_s=60).state)
+
+    threads = [threading.Thread(target=race, args=(s, i)) for i, s in enumerate(stores)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(outcomes) == ["busy", "busy", "busy", "claimed"]
+    for s in stores:
+        s.close()
