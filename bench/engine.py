@@ -1,0 +1,256 @@
+"""Engine throughput: continuous batching vs batch size 1 vs HF generate vs llama.cpp on one workload.
+
+Every system serves the same seeded requests (prompt and output lengths drawn uniformly,
+the same prompt token ids everywhere, greedy, EOS ignored so every system generates exactly
+the same number of tokens) from the same GGUF file, one system after the other in one run,
+with the same thread count. Our engine gets all requests at once (continuous batching), and
+again with ``max_num_seqs=1``; transformers ``generate`` and llama-cpp-python serve them one
+at a time. Reported: output tokens/s and the ratios between systems, plus the paged KV cache's
+waste (slots allocated but unused) against contiguous per-request allocation. The machine is
+shared and noisy: the load average before and after each system is recorded; compare the
+rows of one run, not numbers across runs.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import typer
+
+WORDS = ("hive colony brood queen worker drone nectar pollen honey comb frame wax propolis forage swarm "
+         "temperature humidity weight sensor battery solar morning evening meadow flower clover heather "
+         "entrance guard robbing varroa mite inspection super winter spring summer autumn beekeeper smoke "
+         "the a of and to in is was rose fell steady kg degrees percent alert normal check report hive7 "
+         "12 3.5 2024 why how when colony's bees' calm busy loud quiet").split()
+SYSTEMS = ("engine", "engine-fp32", "engine-bs1", "hf", "llama-cpp")
+
+
+@dataclass(slots=True)
+class Request:
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass(slots=True)
+class Result:
+    system: str
+    detail: str
+    wall: float
+    output_tokens: int
+    ttfts: list[float] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.wall
+
+
+def make_workload(tokenizer: Any, n: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
+                  seed: int) -> list[Request]:
+    """``n`` requests with uniform prompt/output lengths; prompts are tokenized random word sequences."""
+    import random
+
+    rng = random.Random(seed)
+    work = []
+    for i in range(n):
+        length = rng.randint(*prompt_range)
+        ids: list[int] = []
+        while len(ids) < length:
+            ids += tokenizer.encode(f"Report {i}: " + " ".join(rng.choice(WORDS) for _ in range(length)))
+        work.append(Request(prompt=ids[:length], max_tokens=rng.randint(*output_range)))
+    return work
+
+
+def run_engine(engine: Any, work: list[Request], max_num_seqs: int) -> Result:
+    from cloud.engine import SamplingParams
+
+    engine.config.max_num_seqs = max_num_seqs
+    engine.reset_prefix_cache()
+    before = engine.metrics()
+    start = time.perf_counter()
+    ids = [engine.add_request(r.prompt, params=SamplingParams(max_tokens=r.max_tokens, ignore_eos=True))
+           for r in work]
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    wall = time.perf_counter() - start
+    outs = [finals[i] for i in ids]
+    assert all(len(o.output_token_ids) == r.max_tokens for o, r in zip(outs, work))
+    after = engine.metrics()
+    return Result("", "", wall, sum(r.max_tokens for r in work), [o.metrics.ttft for o in outs],
+                  {"steps": after["steps"] - before["steps"], "preemptions": after["preemptions"] - before["preemptions"],
+                   "kv_slot_waste": after["kv_slot_waste"], "tokens": [o.output_token_ids for o in outs]})
+
+
+def hf_model_from_gguf(path: Path) -> Any:
+    """transformers' Llama with the GGUF's weights, loaded by transformers' own GGUF reader.
+
+    (``from_pretrained(gguf_file=...)`` needs the accelerate package, which this project does not use.)
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"GGUF -> transformers mismatch: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    return model.eval()
+
+
+def run_hf(path: Path, work: list[Request]) -> Result:
+    import torch
+
+    model = hf_model_from_gguf(path)
+    outputs = []
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for r in work:
+            ids = torch.tensor([r.prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=r.max_tokens,
+                                 min_new_tokens=r.max_tokens, do_sample=False, pad_token_id=0)
+            outputs.append(out[0, len(r.prompt):].tolist())
+    wall = time.perf_counter() - start
+    assert [len(o) for o in outputs] == [r.max_tokens for r in work]
+    return Result("", "", wall, sum(r.max_tokens for r in work), extra={"tokens": outputs})
+
+
+def run_llama_cpp(path: Path, work: list[Request], threads: int) -> Result:
+    import llama_cpp
+    import numpy as np
+
+    n_ctx = max(len(r.prompt) + r.max_tokens for r in work) + 8
+    llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=512, n_threads=threads, verbose=False)
+    n_vocab = llm.n_vocab()
+    outputs = []
+    try:
+        start = time.perf_counter()
+        for r in work:
+            llm.reset()
+            llm.eval(r.prompt)
+            tokens = []
+            for i in range(r.max_tokens):  # greedy on the last logits, EOS ignored
+                logits = np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(n_vocab,))
+                tokens.append(int(logits.argmax()))
+                if i + 1 < r.max_tokens:
+                    llm.eval([tokens[-1]])
+            outputs.append(tokens)
+        wall = time.perf_counter() - start
+    finally:
+        llm.close()
+    return Result("", "", wall, sum(r.max_tokens for r in work), extra={"tokens": outputs})
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of requests whose first 16 greedy tokens are identical (runtimes differ at near-ties)."""
+    return sum(x[:16] == y[:16] for x, y in zip(a, b)) / max(1, len(a))
+
+
+def command(
+    requests: int = typer.Option(64, help="number of requests"),
+    quick: bool = typer.Option(False, help="small smoke run: 12 requests, prompts 32-128, outputs 16-48"),
+    prompt_tokens: str = typer.Option("32-512", help="prompt length range LO-HI (tokens)"),
+    output_tokens: str = typer.Option("16-256", help="output length range LO-HI (tokens)"),
+    systems: str = typer.Option(",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}"),
+    dtype: str = typer.Option("bfloat16", help="dtype of the batched engine run (engine-fp32 is always float32)"),
+    threads: int = typer.Option(2, help="torch and llama.cpp threads"),
+    max_num_seqs: int = typer.Option(64, help="engine: concurrent sequences"),
+    budget: int = typer.Option(1024, help="engine: max tokens per step"),
+    seed: int = typer.Option(0, help="workload seed"),
+    model: str = typer.Option("", help="GGUF path; default: the smollm2-135m-q4 asset"),
+) -> None:
+    import torch
+
+    from bench.common import percentile, report
+    from cloud.engine import EngineConfig, LLMEngine
+    from shared import assets
+
+    chosen = [s.strip() for s in systems.split(",") if s.strip()]
+    unknown = set(chosen) - set(SYSTEMS)
+    if unknown:
+        raise typer.BadParameter(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
+    if quick:
+        requests, prompt_tokens, output_tokens = 12, "32-128", "16-48"
+    p_lo, p_hi = (int(x) for x in prompt_tokens.split("-"))
+    o_lo, o_hi = (int(x) for x in output_tokens.split("-"))
+    path = Path(model) if model else assets.ensure("smollm2-135m-q4")
+    torch.set_num_threads(threads)
+
+    def engine_for(engine_dtype: str) -> Any:
+        return LLMEngine(EngineConfig(model_path=path, dtype=engine_dtype, kv_cache_bytes=2 << 30,
+                                      max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                                      num_threads=threads))
+
+    engines: dict[str, Any] = {}
+    tokenizer = (engines.setdefault(dtype, engine_for(dtype))).tokenizer
+    work = make_workload(tokenizer, requests, (p_lo, p_hi), (o_lo, o_hi), seed)
+    results: dict[str, Result] = {}
+    loads: dict[str, tuple[float, float]] = {}
+    for system in chosen:
+        load_before = os.getloadavg()[0]
+        typer.echo(f"running {system} on {len(work)} requests (load average {load_before:.1f}) ...")
+        if system == "engine":
+            res = run_engine(engines.setdefault(dtype, engine_for(dtype)), work, max_num_seqs)
+            res.detail = f"continuous batching, {dtype}, max_num_seqs={max_num_seqs}, budget={budget}"
+        elif system == "engine-fp32":
+            res = run_engine(engines.setdefault("float32", engine_for("float32")), work, max_num_seqs)
+            res.detail = f"continuous batching, float32, max_num_seqs={max_num_seqs}, budget={budget}"
+        elif system == "engine-bs1":
+            # Batch size 1 in float32: bf16 gains nothing at batch 1 on this CPU (measured), so the
+            # sequential baseline gets its fastest precision.
+            res = run_engine(engines.setdefault("float32", engine_for("float32")), work, 1)
+            res.detail = "one request at a time (max_num_seqs=1), float32"
+        elif system == "hf":
+            res = run_hf(path, work)
+            res.detail = "transformers generate, one request at a time, float32"
+        else:
+            res = run_llama_cpp(path, work, threads)
+            res.detail = f"llama-cpp-python, one request at a time, {threads} threads, GGUF Q4_1"
+        res.system = system
+        results[system] = res
+        loads[system] = (load_before, os.getloadavg()[0])
+        typer.echo(f"  {system} ({res.detail}): {res.output_tokens} tokens in {res.wall:.1f}s = {res.tok_s:.1f} tok/s")
+
+    def ratio(system: str, base: str) -> float | str:
+        return results[system].tok_s / results[base].tok_s if base in results else "-"
+
+    columns = ["system", "output tok", "wall s", "output tok/s", "x HF seq", "x llama.cpp seq",
+               "TTFT p50 s", "TTFT p99 s"]
+    rows = []
+    for system, res in results.items():
+        ttft = [t for t in res.ttfts if t is not None]
+        rows.append([system, res.output_tokens, round(res.wall, 1), round(res.tok_s, 1),
+                     ratio(system, "hf"), ratio(system, "llama-cpp"),
+                     percentile(ttft, 50) if ttft else "-", percentile(ttft, 99) if ttft else "-"])
+    reference = results.get("engine-fp32") or results.get("engine-bs1")
+    agreements = {s: agreement(reference.extra["tokens"], r.extra["tokens"])
+                  for s, r in results.items() if reference is not None and r is not reference}
+    kv: dict[str, Any] = {}
+    if "engine" in results:
+        m = engines[dtype].metrics()
+        kv = {"kv_slot_waste_paged": m["kv_slot_waste"],
+              "kv_waste_contiguous_prompt_plus_max_tokens": m["kv_waste_contiguous_request"],
+              "kv_waste_contiguous_max_model_len": m["kv_waste_contiguous_max_len"],
+              "max_model_len": engines[dtype].max_model_len, "block_size": engines[dtype].config.block_size}
+        typer.echo(f"KV slots allocated but unused (paged, block 16): {100 * kv['kv_slot_waste_paged']:.2f}%; "
+                   f"contiguous prompt+max_tokens would waste {100 * kv['kv_waste_contiguous_prompt_plus_max_tokens']:.1f}%, "
+                   f"contiguous max_model_len ({kv['max_model_len']}) {100 * kv['kv_waste_contiguous_max_model_len']:.1f}%")
+    report("engine", f"Engine throughput: {len(work)} requests, prompts {p_lo}-{p_hi} tok, outputs {o_lo}-{o_hi} tok",
+           columns, rows, {
+               "workload": {"requests": len(work), "prompt_tokens": sum(len(r.prompt) for r in work),
+                            "output_tokens": sum(r.max_tokens for r in work), "seed": seed,
+                            "prompt_range": [p_lo, p_hi], "output_range": [o_lo, o_hi]},
+               "systems": {s: r.detail for s, r in results.items()},
+               "threads": threads, "load_average_before_after": loads, "kv_cache": kv,
+               "first16_token_agreement_vs_fp32_engine": agreements,
+               "engine_steps": {s: r.extra.get("steps") for s, r in results.items() if "steps" in r.extra},
+               "note": "one run, systems in sequence on a shared 2-core machine; compare rows of this run only",
+           })

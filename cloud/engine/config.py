@@ -1,0 +1,72 @@
+"""Engine and model configuration: what the operator chooses, and what the checkpoint dictates."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from cloud.engine.errors import EngineError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model_path: str | Path
+    device: str = "cpu"
+    dtype: str = "auto"  # auto: float32 on CPU (the correctness reference), bfloat16 on CUDA
+    block_size: int = 16
+    kv_cache_bytes: int | None = None  # KV pool budget; None: 1 GiB on CPU, 90% of free memory on CUDA
+    max_num_batched_tokens: int = 1024  # token budget per step (chunked prefill keeps decodes flowing)
+    max_num_seqs: int = 64  # running sequences per step
+    max_waiting: int = 4096  # queue depth before add_request raises EngineOverloaded
+    max_model_len: int | None = None  # default: the model's context length
+    enable_prefix_caching: bool = True
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    swap_space_bytes: int = 1 << 30  # host memory for swapped-out KV; when full, preemption recomputes
+    aging_steps: int = 256  # a waiting request gains one priority level per this many engine steps
+    num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's default
+    seed: int = 0  # for requests that sample without their own seed
+
+    def __post_init__(self) -> None:
+        positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_waiting", "aging_steps")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise EngineError(f"EngineConfig.{name} must be an int >= 1, got {value!r}")
+        if self.dtype not in DTYPES:
+            raise EngineError(f"EngineConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise EngineError(f"EngineConfig.preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise EngineError(f"EngineConfig.kv_cache_bytes must be > 0, got {self.kv_cache_bytes!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise EngineError(f"EngineConfig.max_model_len must be >= 2, got {self.max_model_len!r}")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """Architecture hyper-parameters of a Llama-family decoder (Llama, SmolLM2, Qwen2, Mistral)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # only {"rope_type": "llama3", ...} is understood
+    max_position: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 has q/k/v biases
+    sliding_window: int | None = None
+    architecture: str = "llama"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise EngineError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise EngineError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")

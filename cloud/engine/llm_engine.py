@@ -1,0 +1,224 @@
+"""The engine: requests in, ``step()`` = schedule -> run -> postprocess, outputs out.
+
+Not thread-safe: one thread drives it (``AsyncEngine`` does so for concurrent callers).
+"""
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Sequence as Seq
+
+import torch
+
+from cloud.engine import detokenizer
+from cloud.engine.block_manager import BlockManager
+from cloud.engine.config import EngineConfig
+from cloud.engine.errors import EngineError, EngineOverloaded, RequestRejected
+from cloud.engine.loader import load_checkpoint
+from cloud.engine.metrics import EngineStats
+from cloud.engine.model_runner import ModelRunner
+from cloud.engine.outputs import RequestMetrics, RequestOutput
+from cloud.engine.sampling_params import SamplingParams
+from cloud.engine.scheduler import Scheduler
+from cloud.engine.sequence import Sequence, SequenceStatus
+from cloud.engine.tokenizer import load_tokenizer
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        if not isinstance(config, EngineConfig):
+            raise EngineError(f"LLMEngine needs an EngineConfig, got {type(config).__name__}")
+        self.config = config
+        checkpoint = load_checkpoint(config.model_path)
+        self.model_config = checkpoint.config
+        self.tokenizer = load_tokenizer(Path(config.model_path).expanduser(), checkpoint.metadata or None)
+        self.max_model_len = min(config.max_model_len or checkpoint.config.max_position, checkpoint.config.max_position)
+        self.runner = ModelRunner(config, checkpoint, self.max_model_len)
+        del checkpoint  # the float32 copy; the model holds its own (possibly bf16) weights
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager, config.swap_space_bytes // self.runner.bytes_per_block)
+        self.requests: dict[str, Sequence] = {}
+        self.stats = EngineStats()
+        self._arrivals = itertools.count()
+        self._pending: list[RequestOutput] = []  # produced outside step() (aborts) or held back by generate()
+
+    # ------------------------------------------------------------ requests
+
+    def add_request(self, prompt: str | list[int] | None = None, *, messages: list[dict[str, Any]] | None = None,
+                    params: SamplingParams | None = None, priority: int = 0, request_id: str | None = None) -> str:
+        """Queue a request and return its id; ``priority``: smaller is more urgent (0 = critical).
+
+        Raises RequestRejected for bad input or a request that can never fit, EngineOverloaded
+        when the waiting queue is full.
+        """
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise RequestRejected(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise RequestRejected(f"priority must be an int, got {priority!r}")
+        request_id = uuid.uuid4().hex if request_id is None else request_id
+        if not isinstance(request_id, str) or not request_id:
+            raise RequestRejected(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.requests:
+            raise RequestRejected(f"request_id {request_id!r} is already in use")
+        token_ids = self._prompt_tokens(prompt, messages)
+        total = len(token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestRejected(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                                  f"exceeds max_model_len {self.max_model_len}")
+        needed = self.block_manager.blocks_for(total - 1)  # the last sampled token is never run
+        if needed > self.block_manager.num_blocks:
+            raise RequestRejected(f"request needs {needed} KV blocks but the whole pool has "
+                                  f"{self.block_manager.num_blocks}; it can never run")
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests already waiting "
+                                   f"(max_waiting={self.config.max_waiting}); retry later")
+        seq = Sequence(request_id=request_id, seq_no=next(self._arrivals), token_ids=token_ids,
+                       num_prompt_tokens=len(token_ids), params=params, priority=priority,
+                       metrics=RequestMetrics(arrival_time=time.monotonic()),
+                       generator=None if params.seed is None else torch.Generator().manual_seed(params.seed))
+        detokenizer.start(seq)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def _prompt_tokens(self, prompt: str | list[int] | None, messages: list[dict[str, Any]] | None) -> list[int]:
+        if (prompt is None) == (messages is None):
+            raise RequestRejected("give exactly one of prompt or messages")
+        if messages is not None:
+            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            vocab = self.model_config.vocab_size
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
+                raise RequestRejected(f"prompt token ids must be ints in [0, {vocab})")
+            token_ids = list(prompt)
+        else:
+            raise RequestRejected(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise RequestRejected("prompt is empty")
+        return token_ids
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request and free its KV blocks; its final output (reason "abort") comes with the next step."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.remove(seq)
+        self._finish(seq, "abort")
+        self._pending.append(self._output(seq, [], ""))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or bool(self._pending)
+
+    # ------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule -> run -> postprocess. One output per request that produced tokens or finished."""
+        outputs, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        if not batch.seqs and not batch.swap_out:
+            return outputs
+        now = time.monotonic()
+        for seq in batch.seqs:
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = now
+                self.stats.record_admission(seq)
+        sampled = self.runner.execute(batch)
+        now = time.monotonic()
+        self.stats.steps += 1
+        self.stats.computed_tokens += batch.num_tokens
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.commit(seq)
+        for seq, token in sampled.items():
+            outputs.append(self._append_token(seq, token, now))
+        self.stats.record_kv(self.scheduler.running, self.block_manager.num_blocks - self.block_manager.num_free_blocks,
+                             self.config.block_size, self.max_model_len)
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, now: float) -> RequestOutput:
+        seq.token_ids.append(token)
+        self.stats.generated_tokens += 1
+        if seq.metrics.first_token_time is None:
+            seq.metrics.first_token_time = now
+        params = seq.params
+        reason = None
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.tokenizer.stop_token_ids):
+            reason = "stop"
+            detokenizer.update_text(self.tokenizer, seq, final=True, end=seq.num_tokens - 1)  # stop token not shown
+        else:
+            searched_from = len(seq.text)
+            if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = "length"
+            detokenizer.update_text(self.tokenizer, seq, final=reason is not None)
+            if params.stop and detokenizer.find_stop(seq, searched_from):
+                reason = "stop"
+        if reason is not None:
+            self.requests.pop(seq.request_id, None)
+            self.scheduler.remove(seq)
+            self._finish(seq, reason, now)
+        return self._output(seq, [token], detokenizer.release(seq, final=reason is not None))
+
+    def _finish(self, seq: Sequence, reason: str, now: float | None = None) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason  # type: ignore[assignment]
+        seq.metrics.finish_time = time.monotonic() if now is None else now
+        self.stats.record_finish(seq)
+
+    def _output(self, seq: Sequence, new_tokens: list[int], delta: str) -> RequestOutput:
+        return RequestOutput(request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
+                             output_token_ids=seq.output_token_ids, new_token_ids=new_tokens,
+                             text=seq.text[:seq.released], text_delta=delta, finished=seq.finished,
+                             finish_reason=seq.finish_reason, metrics=seq.metrics)
+
+    # ------------------------------------------------------------ conveniences
+
+    def generate(self, prompts: str | list[int] | Seq[str | list[int]],
+                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Blocking: run the prompts to completion and return their final outputs, in order.
+
+        Outputs of other requests that progress meanwhile are kept for the next ``step()``.
+        """
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        batch = [prompts] if single else list(prompts)
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(batch)
+        if len(plist) != len(batch):
+            raise RequestRejected(f"{len(plist)} SamplingParams for {len(batch)} prompts")
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(batch, plist):
+                ids.append(self.add_request(prompt, params=p))
+        except EngineError:
+            for rid in ids:
+                self.abort(rid)
+            self._pending = [o for o in self._pending if o.request_id not in ids]
+            raise
+        wanted, finals, others = set(ids), {}, []
+        while len(finals) < len(ids):
+            for out in self.step():
+                if out.request_id in wanted:
+                    if out.finished:
+                        finals[out.request_id] = out
+                else:
+                    others.append(out)
+        self._pending.extend(others)
+        return [finals[rid] for rid in ids]
+
+    def reset_prefix_cache(self) -> None:
+        """Drop all cached prefixes (benchmarks' cold runs; after changing weights)."""
+        self.block_manager.reset_prefix_cache(self.scheduler.running)
+
+    def metrics(self) -> dict[str, Any]:
+        bm = self.block_manager
+        return {
+            **self.stats.snapshot(),
+            "requests_running": len(self.scheduler.running), "requests_waiting": len(self.scheduler.waiting),
+            "kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_blocks - bm.num_free_blocks,
+            "kv_blocks_free": bm.num_free_blocks, "kv_blocks_cached_free": len(bm.evictable),
+            "preemptions": self.scheduler.num_preemptions,
+        }

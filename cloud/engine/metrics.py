@@ -1,0 +1,87 @@
+"""Engine counters and latency samples behind ``LLMEngine.metrics()``."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from cloud.engine.sequence import Sequence
+
+WINDOW = 4096  # latency samples kept (most recent requests)
+
+
+def _summary(name: str, values: deque[float]) -> dict[str, float | None]:
+    if not values:
+        return {f"{name}_mean": None, f"{name}_p50": None, f"{name}_p99": None}
+    arr = np.asarray(values)
+    return {f"{name}_mean": float(arr.mean()), f"{name}_p50": float(np.percentile(arr, 50)),
+            f"{name}_p99": float(np.percentile(arr, 99))}
+
+
+@dataclass(slots=True)
+class EngineStats:
+    steps: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    prompt_tokens: int = 0  # at first admission
+    cached_prompt_tokens: int = 0  # of those, served by the prefix cache
+    generated_tokens: int = 0
+    computed_tokens: int = 0  # tokens run through the model (prefill + decode + recompute)
+    # KV slot accounting, summed over steps: slots in allocated blocks vs slots holding a token.
+    kv_slots_allocated: int = 0
+    kv_slots_unused: int = 0
+    kv_tokens: int = 0
+    kv_reserved_request: int = 0  # what reserving prompt + max_tokens contiguously would hold
+    kv_reserved_max_len: int = 0  # what reserving max_model_len contiguously would hold
+    ttft: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    tpot: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    queue_time: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    e2e: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
+
+    def record_admission(self, seq: Sequence) -> None:
+        self.prompt_tokens += seq.num_prompt_tokens
+        self.cached_prompt_tokens += seq.metrics.cached_prompt_tokens
+
+    def record_finish(self, seq: Sequence) -> None:
+        m = seq.metrics
+        if seq.finish_reason == "abort":
+            self.requests_aborted += 1
+            return
+        self.requests_finished += 1
+        if m.ttft is not None:
+            self.ttft.append(m.ttft)
+        if m.queue_time is not None:
+            self.queue_time.append(m.queue_time)
+        if m.finish_time is not None:
+            self.e2e.append(m.finish_time - m.arrival_time)
+            if m.first_token_time is not None and seq.num_output_tokens > 1:
+                self.tpot.append((m.finish_time - m.first_token_time) / (seq.num_output_tokens - 1))
+
+    def record_kv(self, running: list[Sequence], used_blocks: int, block_size: int, max_model_len: int) -> None:
+        self.kv_slots_allocated += used_blocks * block_size
+        for seq in running:
+            self.kv_slots_unused += len(seq.block_table) * block_size - seq.num_computed_tokens
+            self.kv_tokens += seq.num_computed_tokens
+            self.kv_reserved_request += seq.num_prompt_tokens + seq.params.max_tokens
+            self.kv_reserved_max_len += max_model_len
+
+    def snapshot(self) -> dict[str, Any]:
+        def ratio(a: int, b: int) -> float | None:
+            return a / b if b else None
+
+        return {
+            "steps": self.steps, "requests_finished": self.requests_finished,
+            "requests_aborted": self.requests_aborted, "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens, "computed_tokens": self.computed_tokens,
+            "prefix_cached_tokens": self.cached_prompt_tokens,
+            "prefix_hit_rate": ratio(self.cached_prompt_tokens, self.prompt_tokens),
+            "kv_slot_waste": ratio(self.kv_slots_unused, self.kv_slots_allocated),
+            "kv_waste_contiguous_request": None if not self.kv_reserved_request
+            else 1 - self.kv_tokens / self.kv_reserved_request,
+            "kv_waste_contiguous_max_len": None if not self.kv_reserved_max_len
+            else 1 - self.kv_tokens / self.kv_reserved_max_len,
+            **_summary("ttft", self.ttft), **_summary("tpot", self.tpot),
+            **_summary("queue_time", self.queue_time), **_summary("e2e", self.e2e),
+        }

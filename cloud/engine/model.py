@@ -1,0 +1,159 @@
+"""A Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) over a paged KV cache.
+
+Covers Llama 2/3, SmolLM2, Mistral and Qwen2 (q/k/v biases). q/k/v and gate/up are fused into
+one matmul each. Attention, norms, rotary and the KV write go through ``kernels.ops`` only, so
+the Triton kernels replace the torch references on CUDA without touching this file.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from cloud.engine.config import ModelConfig
+from cloud.engine.errors import EngineError
+from kernels import ops
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step batch layout, built once per step and shared by every layer.
+
+    The first ``num_decode_tokens`` tokens are single-token queries (decodes) served by
+    ``paged_decode_attention``; the rest are variable-length chunks served by
+    ``paged_prefill_attention`` (prefill chunks, prefix-cache tails, k+1 verification queries).
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor  # [Bd, M] int32
+    decode_context_lens: torch.Tensor  # [Bd] int32
+    prefill_block_tables: torch.Tensor  # [Bp, M] int32
+    prefill_cu_seqlens_q: torch.Tensor  # [Bp + 1] int32
+    prefill_context_lens: torch.Tensor  # [Bp] int32
+
+
+@dataclass(slots=True)
+class DecoderLayer:
+    input_norm: torch.Tensor
+    qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o_weight: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up_weight: torch.Tensor
+    down_weight: torch.Tensor
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Rotary inverse frequencies, with Llama 3 scaling (config dict or GGUF frequency factors)."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    factors = config.extra.get("rope_freq_factors")
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if factors is not None:
+        inv_freq = inv_freq / factors.to(torch.float64)
+    elif kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv_freq = torch.where(mid, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+    elif kind not in (None, "default"):
+        raise EngineError(f"rope scaling {kind!r} is not supported")
+    return inv_freq
+
+
+def rope_cos_sin_cache(config: ModelConfig, max_positions: int, device: torch.device) -> torch.Tensor:
+    """``[max_positions, head_dim]``: first half cos, second half sin (the ``kernels.ops`` layout), fp32."""
+    freqs = torch.arange(max_positions, dtype=torch.float64)[:, None] * rope_inv_freq(config)[None, :]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(torch.float32).to(device)
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
+                 dtype: torch.dtype, max_positions: int) -> None:
+        self.config = config
+        self.device, self.dtype = device, dtype
+        self.scale = config.head_dim ** -0.5
+
+        def w(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise EngineError(f"checkpoint lacks tensor {name}")
+            return weights[name].to(device=device, dtype=dtype).contiguous()
+
+        def maybe(name: str) -> torch.Tensor | None:
+            return w(name) if name in weights else None
+
+        def cat(*names: str) -> torch.Tensor:
+            return torch.cat([w(n) for n in names], dim=0).contiguous()
+
+        self.embed = w("model.embed_tokens.weight")
+        if tuple(self.embed.shape) != (config.vocab_size, config.hidden_size):
+            raise EngineError(f"embedding is {tuple(self.embed.shape)}, expected ({config.vocab_size}, {config.hidden_size})")
+        self.lm_head = self.embed if config.tie_word_embeddings or "lm_head.weight" not in weights else w("lm_head.weight")
+        self.norm = w("model.norm.weight")
+        self.layers: list[DecoderLayer] = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            attn = p + "self_attn."
+            biases = [maybe(attn + f"{x}_proj.bias") for x in "qkv"]
+            self.layers.append(DecoderLayer(
+                input_norm=w(p + "input_layernorm.weight"),
+                qkv_weight=cat(attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
+                qkv_bias=torch.cat(biases).contiguous() if all(b is not None for b in biases) else None,
+                o_weight=w(attn + "o_proj.weight"), o_bias=maybe(attn + "o_proj.bias"),
+                post_norm=w(p + "post_attention_layernorm.weight"),
+                gate_up_weight=cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                down_weight=w(p + "mlp.down_proj.weight"),
+            ))
+        self.cos_sin = rope_cos_sin_cache(config, max_positions, device)
+        c = config
+        self.qkv_split = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+
+    def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   meta: AttentionMetadata) -> torch.Tensor:
+        nd, window = meta.num_decode_tokens, self.config.sliding_window
+        if nd == q.shape[0]:
+            return ops.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
+                                              meta.decode_context_lens, self.scale, window)
+        if nd == 0:
+            return ops.paged_prefill_attention(q, k_cache, v_cache, meta.prefill_block_tables,
+                                               meta.prefill_cu_seqlens_q, meta.prefill_context_lens, self.scale, window)
+        decode = ops.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                            meta.decode_context_lens, self.scale, window)
+        prefill = ops.paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables,
+                                              meta.prefill_cu_seqlens_q, meta.prefill_context_lens, self.scale, window)
+        return torch.cat((decode, prefill))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Final-normed hidden states ``[T, hidden]`` of the new tokens; their K/V land in ``kv_caches``."""
+        c = self.config
+        t = input_ids.shape[0]
+        x = F.embedding(input_ids, self.embed)
+        residual: torch.Tensor | None = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            if residual is None:
+                residual, h = x, ops.rms_norm(x, layer.input_norm, c.rms_norm_eps)
+            else:
+                h, residual = ops.rms_norm(x, layer.input_norm, c.rms_norm_eps, residual)
+            q, k, v = F.linear(h, layer.qkv_weight, layer.qkv_bias).split(self.qkv_split, dim=-1)
+            q, k = ops.apply_rotary(q.view(t, c.num_heads, c.head_dim), k.view(t, c.num_kv_heads, c.head_dim),
+                                    positions, self.cos_sin)
+            ops.write_kv(k, v.view(t, c.num_kv_heads, c.head_dim), k_cache, v_cache, meta.slot_mapping)
+            attn = self._attention(q, k_cache, v_cache, meta)
+            x = F.linear(attn.reshape(t, -1), layer.o_weight, layer.o_bias)
+            h, residual = ops.rms_norm(x, layer.post_norm, c.rms_norm_eps, residual)
+            gate, up = F.linear(h, layer.gate_up_weight).chunk(2, dim=-1)
+            x = F.linear(F.silu(gate) * up, layer.down_weight)
+        out, _ = ops.rms_norm(x, self.norm, c.rms_norm_eps, residual)
+        return out
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,126 @@
+"""Runs a scheduled batch: builds the step's tensors once, calls the model, samples; owns the KV pool."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from cloud.engine.config import EngineConfig
+from cloud.engine.errors import EngineError
+from cloud.engine.loader import Checkpoint
+from cloud.engine.model import AttentionMetadata, LlamaModel
+from cloud.engine.sampler import sample
+from cloud.engine.scheduler import ScheduledBatch
+from cloud.engine.sequence import Sequence
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    if config.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[config.dtype]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint, max_model_len: int) -> None:
+        try:
+            self.device = torch.device(config.device)
+            if self.device.type == "cuda" and not torch.cuda.is_available():
+                raise EngineError("device 'cuda' requested but CUDA is not available")
+        except RuntimeError as e:
+            raise EngineError(f"bad device {config.device!r}: {e}") from e
+        if config.num_threads and self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads)
+        self.dtype = resolve_dtype(config, self.device)
+        self.block_size = config.block_size
+        mc = self.model_config = checkpoint.config
+        self.model = LlamaModel(mc, checkpoint.weights, self.device, self.dtype, max_positions=max_model_len)
+        self.bytes_per_block = 2 * mc.num_layers * config.block_size * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
+        budget = config.kv_cache_bytes or self._default_kv_bytes()
+        self.num_blocks = budget // self.bytes_per_block
+        if self.num_blocks < 1:
+            raise EngineError(f"kv_cache_bytes={budget} holds no {self.bytes_per_block}-byte block")
+        shape = (self.num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(mc.num_layers)]
+        self.generator = torch.Generator().manual_seed(config.seed)
+
+    def _default_kv_bytes(self) -> int:
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * 0.8)
+        return DEFAULT_CPU_KV_BYTES
+
+    # ------------------------------------------------------------ one step
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Flat input ids, positions and attention metadata for ``batch``; plus, per sequence that
+        reaches its last known token this step, the row of that token (-1 for the others)."""
+        seqs, counts = batch.seqs, np.asarray(batch.num_new_tokens, dtype=np.int64)
+        starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=len(seqs))
+        input_ids: list[int] = []
+        for s, st, n in zip(seqs, starts.tolist(), counts.tolist()):
+            input_ids.extend(s.token_ids[st:st + n])
+        cu = np.zeros(len(seqs) + 1, dtype=np.int64)
+        np.cumsum(counts, out=cu[1:])
+        owner = np.repeat(np.arange(len(seqs)), counts)
+        positions = starts[owner] + np.arange(cu[-1]) - cu[:-1][owner]
+        width = max(len(s.block_table) for s in seqs)
+        tables = np.zeros((len(seqs), width), dtype=np.int32)
+        for i, s in enumerate(seqs):
+            tables[i, :len(s.block_table)] = s.block_table
+        bs = self.block_size
+        slots = tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
+        context = (starts + counts).astype(np.int32)
+        nd = batch.num_decodes
+        dev = self.device
+
+        def t(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(dev)
+
+        meta = AttentionMetadata(
+            slot_mapping=t(slots), num_decode_tokens=nd,
+            decode_block_tables=t(tables[:nd]), decode_context_lens=t(context[:nd]),
+            prefill_block_tables=t(tables[nd:]), prefill_cu_seqlens_q=t((cu[nd:] - cu[nd]).astype(np.int32)),
+            prefill_context_lens=t(context[nd:]))
+        last_rows = [int(cu[i + 1]) - 1 if context[i] == s.num_tokens else -1 for i, s in enumerate(seqs)]
+        return t(np.asarray(input_ids, dtype=np.int64)), t(positions), meta, last_rows
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> dict[Sequence, int]:
+        """Run ``batch``; return the sampled next token of every sequence whose known tokens are now all computed."""
+        for seq, blocks in batch.swap_out:
+            self.swap_out(seq, blocks)
+        for seq, blocks in batch.swap_in:
+            self.swap_in(seq, blocks)
+        if not batch.seqs:
+            return {}
+        input_ids, positions, meta, last_rows = self.prepare(batch)
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
+        sampled = [s for s, row in zip(batch.seqs, last_rows) if row >= 0]
+        if not sampled:
+            return {}
+        logits = self.model.logits(hidden[[row for row in last_rows if row >= 0]])
+        return dict(zip(sampled, sample(logits, sampled, self.generator)))
+
+    @torch.inference_mode()
+    def forward_logits(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Logits ``[T, vocab]`` for every scheduled token (tests and speculative verification use this)."""
+        input_ids, positions, meta, _ = self.prepare(batch)
+        return self.model.logits(self.model.forward(input_ids, positions, meta, self.kv_caches))
+
+    # ------------------------------------------------------------ swap
+
+    def swap_out(self, seq: Sequence, blocks: list[int]) -> None:
+        index = torch.tensor(blocks, device=self.device)
+        seq.swapped_kv = torch.stack([torch.stack((k[index], v[index])) for k, v in self.kv_caches]).to("cpu")
+
+    def swap_in(self, seq: Sequence, blocks: list[int]) -> None:
+        assert seq.swapped_kv is not None and seq.swapped_kv.shape[2] == len(blocks)
+        index = torch.tensor(blocks, device=self.device)
+        data = seq.swapped_kv.to(self.device)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            k[index] = data[layer, 0]
+            v[index] = data[layer, 1]
+        seq.swapped_kv = None

@@ -1,0 +1,154 @@
+"""Iteration-level scheduler: which sequences run this step, how many tokens each, and who is preempted.
+
+Every step spends a token budget: first one token for each decoding sequence (so a long prompt
+never stalls decodes), then prefill work - chunks of running prompts and newly admitted
+requests - in order of urgency = (priority - aging boost, arrival). A step that carries an
+urgent prefill carries no less urgent prefill, so urgent requests see short steps. When KV
+blocks or sequence slots run out,
+the least urgent, latest-arrived running sequence is preempted: its blocks are freed (its K/V
+copied to host memory first in swap mode) and it waits again with its original place in line.
+A waiting request earns one priority level per ``aging_steps`` steps waited, so none starves.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from cloud.engine.block_manager import BlockManager
+from cloud.engine.config import EngineConfig
+from cloud.engine.sequence import Sequence, SequenceStatus
+
+
+def _urgency(seq: Sequence) -> tuple[int, int]:
+    return seq.urgency
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)  # single-token (decode) entries first, then prefill chunks
+    num_new_tokens: list[int] = field(default_factory=list)
+    num_decodes: int = 0
+    preempted: list[Sequence] = field(default_factory=list)
+    swap_out: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # copy these blocks to host first
+    swap_in: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # then copy host K/V into these
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, swap_capacity_blocks: int = 0) -> None:
+        self.config = config
+        self.bm = block_manager
+        self.waiting: list[Sequence] = []  # sorted by urgency
+        self.running: list[Sequence] = []  # sorted by urgency; the victim is the last one
+        self.swap_capacity_blocks = swap_capacity_blocks if config.preemption_mode == "swap" else 0
+        self.swap_used_blocks = 0
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        bisect.insort(self.waiting, seq, key=_urgency)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finished or aborted sequence out and free its blocks / host copy."""
+        for queue in (self.running, self.waiting):
+            if seq in queue:
+                queue.remove(seq)
+        self.bm.free(seq)
+        self._drop_swap(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _drop_swap(self, seq: Sequence) -> None:
+        self.swap_used_blocks -= seq.num_swapped_blocks
+        seq.num_swapped_blocks, seq.swapped_kv = 0, None
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch, scheduled: dict[Sequence, int]) -> None:
+        self.running.remove(seq)
+        scheduled.pop(seq, None)  # not run yet, so simply unscheduled
+        keep = self.bm.blocks_for(seq.num_computed_tokens)
+        if 0 < keep <= self.swap_capacity_blocks - self.swap_used_blocks:
+            batch.swap_out.append((seq, seq.block_table[:keep]))
+            seq.num_swapped_blocks = keep
+            self.swap_used_blocks += keep
+        else:
+            seq.num_computed_tokens = 0  # recompute from scratch (the prefix cache often still holds it)
+        self.bm.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.metrics.preemptions += 1
+        self.num_preemptions += 1
+        batch.preempted.append(seq)
+        bisect.insort(self.waiting, seq, key=_urgency)
+
+    def _grow(self, seq: Sequence, n: int, batch: ScheduledBatch, scheduled: dict[Sequence, int]) -> bool:
+        """Give running ``seq`` slots for ``n`` more tokens, preempting the least urgent if blocks run out."""
+        while self.bm.append_cost(seq, n) > self.bm.num_free_blocks:
+            victim = self.running[-1]
+            self._preempt(victim, batch, scheduled)
+            if victim is seq:
+                return False
+        self.bm.append(seq, n)
+        scheduled[seq] = n
+        return True
+
+    def _admit(self, seq: Sequence, budget: int, batch: ScheduledBatch, scheduled: dict[Sequence, int]) -> bool:
+        """Start waiting ``seq`` (prefix-cache hit or swapped-out K/V first); may push out less urgent ones."""
+        while True:
+            swapped = seq.num_swapped_blocks > 0
+            cached = [] if swapped else self.bm.cached_prefix(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens - len(cached) * self.bm.block_size, budget)
+            if (len(self.running) < self.config.max_num_seqs
+                    and self.bm.admit_cost(seq, cached, n) <= self.bm.num_free_blocks):
+                break
+            if not self.running or self.running[-1].urgency <= seq.urgency:
+                return False  # nothing less urgent to push out: wait
+            self._preempt(self.running[-1], batch, scheduled)
+        self.waiting.remove(seq)
+        restore = seq.num_swapped_blocks
+        if seq.metrics.first_scheduled_time is None:
+            seq.metrics.cached_prompt_tokens = len(cached) * self.bm.block_size
+        self.bm.admit(seq, cached, n)
+        if swapped:
+            batch.swap_in.append((seq, seq.block_table[:restore]))
+            self.swap_used_blocks -= restore
+            seq.num_swapped_blocks = 0
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=_urgency)
+        scheduled[seq] = n
+        return True
+
+    def schedule(self) -> ScheduledBatch:
+        batch, scheduled = ScheduledBatch(), {}
+
+        def budget() -> int:
+            return self.config.max_num_batched_tokens - sum(scheduled.values())
+
+        # 1. Decodes: one token for every running sequence that has one to run, most urgent first.
+        for seq in [s for s in self.running if s.num_uncomputed_tokens == 1]:
+            if seq.status is SequenceStatus.RUNNING and budget() > 0:
+                self._grow(seq, 1, batch, scheduled)
+        # 2. Prefill work (running chunks and waiting requests) in line order. Once a prefill of priority
+        #    p is in the step, less urgent prefills wait a step: an urgent prompt's step stays short.
+        level = None
+        line = sorted([s for s in self.running if s.num_uncomputed_tokens > 1] + self.waiting, key=_urgency)
+        for seq in line:
+            if budget() <= 0 or (level is not None and seq.urgency[0] > level):
+                break
+            if seq.status is SequenceStatus.RUNNING:
+                if not self._grow(seq, min(seq.num_uncomputed_tokens, budget()), batch, scheduled):
+                    continue
+            elif seq in batch.preempted or not self._admit(seq, budget(), batch, scheduled):
+                break  # the line stops at the first request that cannot start
+            level = seq.urgency[0]
+        # 3. Aging: every step spent waiting counts toward a priority boost.
+        for seq in self.waiting:
+            seq.waited_steps += 1
+            if seq.waited_steps % self.config.aging_steps == 0:
+                seq.aging_boost += 1
+        order = sorted(scheduled.items(), key=lambda item: (item[1] > 1, item[0].urgency))
+        batch.seqs = [s for s, _ in order]
+        batch.num_new_tokens = [n for _, n in order]
+        batch.num_decodes = sum(1 for n in batch.num_new_tokens if n == 1)
+        return batch

@@ -1,0 +1,79 @@
+"""Engine test fixtures: tiny random checkpoints (fast) and the real SmolLM2 engine (session-wide)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cloud.engine import EngineConfig, LLMEngine
+from cloud.engine.sequence import Sequence
+from tests.cloud.engine.tiny import make_checkpoint
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Run engine tests on one torch thread, then give other tests theirs back.
+
+    The test prompts are small, and on a shared 2-core machine OpenMP hand-offs between two
+    threads cost more than they gain (measured 5x slower under load). Speed is the benchmarks' job.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("tiny_llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", tie=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3_rope(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+    return make_checkpoint(tmp_path_factory.mktemp("tiny_llama3"), "llama", rope_scaling=scaling, heads=2, kv_heads=1)
+
+
+@pytest.fixture(scope="session")
+def real_engine(gguf_path: Path) -> LLMEngine:
+    """One fp32 SmolLM2 engine for the real-model tests (loading costs seconds; reuse it)."""
+    return LLMEngine(EngineConfig(model_path=gguf_path, kv_cache_bytes=256 << 20, max_num_batched_tokens=512))
+
+
+def prompt_logits(engine: LLMEngine, token_ids: list[int], chunk: int | None = None,
+                  use_prefix_cache: bool = True) -> tuple[int, torch.Tensor]:
+    """``(cached, logits)``: logits ``[len(token_ids) - cached, vocab]`` for the prompt positions the engine
+    computed, through the paged path; ``cached`` leading tokens came from the prefix cache.
+
+    With ``chunk`` the prompt runs in pieces of that many tokens (chunked prefill). The request is
+    removed afterwards (its full blocks stay in the prefix cache).
+    """
+    rid = engine.add_request(token_ids, request_id=f"logits-{id(token_ids)}-{len(engine.requests)}")
+    seq: Sequence = engine.requests[rid]
+    saved = engine.config.max_num_batched_tokens, engine.block_manager.enable_prefix_caching
+    engine.config.max_num_batched_tokens = chunk or len(token_ids)
+    engine.block_manager.enable_prefix_caching = use_prefix_cache and saved[1]
+    try:
+        batch = engine.scheduler.schedule()
+        assert batch.seqs == [seq], "prompt_logits needs an otherwise idle engine"
+        cached = seq.num_computed_tokens
+        parts = []
+        while True:
+            parts.append(engine.runner.forward_logits(batch))
+            seq.num_computed_tokens += batch.num_new_tokens[0]
+            engine.block_manager.commit(seq)
+            if seq.num_computed_tokens == seq.num_tokens:
+                break
+            batch = engine.scheduler.schedule()
+        return cached, torch.cat(parts)
+    finally:
+        engine.config.max_num_batched_tokens, engine.block_manager.enable_prefix_caching = saved
+        engine.abort(rid)
+        engine.step()  # deliver the abort

@@ -1,0 +1,122 @@
+"""The model against independent references: transformers (same weights) and llama.cpp (same GGUF)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cloud.engine import EngineConfig, LLMEngine
+from cloud.engine.errors import EngineError
+from tests.cloud.engine.conftest import prompt_logits
+
+PROMPT = ("<|im_start|>user\nThe hive scale reads 41.3 kg, up 0.8 kg since yesterday; humidity 61%. "
+          "Is the colony healthy?<|im_end|>\n<|im_start|>assistant\nA steady weight gain")
+
+
+def hf_logits(folder: Path, token_ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0]
+
+
+@pytest.mark.parametrize("name", ["tiny_llama", "tiny_qwen2", "tiny_llama3_rope"])
+def test_tiny_checkpoint_logits_match_transformers(name: str, request: pytest.FixtureRequest) -> None:
+    folder = request.getfixturevalue(name)
+    engine = LLMEngine(EngineConfig(model_path=folder, kv_cache_bytes=4 << 20, block_size=8))
+    ids = engine.tokenizer.encode("Queen present, brood pattern solid. Sensor 7 reports humidity 62% " * 3)[:90]
+    assert len(ids) == 90  # long enough to pass the llama3 rope's original context (64)
+    expected = hf_logits(folder, ids)
+    cached, full = prompt_logits(engine, ids)
+    assert cached == 0
+    torch.testing.assert_close(full, expected, atol=2e-4, rtol=1e-4)
+    # Chunked prefill (odd chunk size crossing block boundaries) gives the same logits...
+    plain = LLMEngine(EngineConfig(model_path=folder, kv_cache_bytes=4 << 20, block_size=8,
+                                   enable_prefix_caching=False))
+    cached, chunked = prompt_logits(plain, ids, chunk=13)
+    assert cached == 0
+    torch.testing.assert_close(chunked, expected, atol=2e-4, rtol=1e-4)
+    # ...and so does a prefix-cache hit that computes only the tail.
+    cached, tail = prompt_logits(engine, ids)
+    assert cached == 88  # 11 full blocks of 8 come from the cache; the rest is computed
+    torch.testing.assert_close(tail, expected[cached:], atol=2e-4, rtol=1e-4)
+
+
+def _hf_llama_from_engine(engine: LLMEngine):  # -> transformers LlamaForCausalLM with the engine's weights
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.initialization import no_init_weights
+
+    c = engine.model_config
+    cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                      num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+                      num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+                      rope_theta=c.rope_theta, max_position_embeddings=c.max_position, tie_word_embeddings=True)
+    with no_init_weights():  # every weight is overwritten below; skip the slow random init
+        model = LlamaForCausalLM(cfg).float().eval()
+    m = engine.runner.model
+    q, k = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    state = {"model.embed_tokens.weight": m.embed, "model.norm.weight": m.norm, "lm_head.weight": m.lm_head}
+    for i, layer in enumerate(m.layers):
+        p = f"model.layers.{i}."
+        wq, wk, wv = layer.qkv_weight.split([q, k, k])
+        gate, up = layer.gate_up_weight.chunk(2)
+        state.update({p + "self_attn.q_proj.weight": wq, p + "self_attn.k_proj.weight": wk,
+                      p + "self_attn.v_proj.weight": wv, p + "self_attn.o_proj.weight": layer.o_weight,
+                      p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+                      p + "mlp.down_proj.weight": layer.down_weight, p + "input_layernorm.weight": layer.input_norm,
+                      p + "post_attention_layernorm.weight": layer.post_norm})
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_real_model_logits_match_transformers(real_engine: LLMEngine) -> None:
+    """SmolLM2 through the paged engine == transformers' Llama on the same weights, to fp32 tolerance."""
+    ids = real_engine.tokenizer.encode(PROMPT)
+    model = _hf_llama_from_engine(real_engine)
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0]
+    _, ours = prompt_logits(real_engine, ids, chunk=24)
+    assert (ours - expected).abs().max().item() < 2e-3, (ours - expected).abs().max().item()
+    assert torch.equal(ours.argmax(-1), expected.argmax(-1))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_real_model_agrees_with_llama_cpp(real_engine: LLMEngine, gguf_path: Path) -> None:
+    """Independent check of GGUF loading (dequantization, q/k un-permutation, RoPE): llama.cpp on the same
+    file picks the same next token almost everywhere; the differences are near-ties of our logits."""
+    import llama_cpp
+
+    ids = real_engine.tokenizer.encode(PROMPT)
+    llm = llama_cpp.Llama(str(gguf_path), n_ctx=256, n_threads=2, logits_all=True, verbose=False)
+    try:
+        llm.eval(ids)
+        theirs = torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))
+    finally:
+        llm.close()
+    _, ours = prompt_logits(real_engine, ids, use_prefix_cache=False)
+    agree = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
+    assert agree >= 0.9, agree
+    for pos in torch.nonzero(ours.argmax(-1) != theirs.argmax(-1)).flatten().tolist():
+        mine, other = ours[pos].argmax().item(), theirs[pos].argmax().item()
+        assert ours[pos, mine] - ours[pos, other] < 1.0, f"position {pos}: not a near-tie"
+    corr = np.corrcoef(ours.flatten().numpy(), theirs.flatten().numpy())[0, 1]
+    assert corr > 0.99, corr
+
+
+def test_bad_checkpoints_raise_engine_error(tmp_path: Path) -> None:
+    with pytest.raises(EngineError, match="neither a GGUF file"):
+        LLMEngine(EngineConfig(model_path=tmp_path / "missing.gguf"))
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all")
+    with pytest.raises(EngineError, match="not a readable GGUF"):
+        LLMEngine(EngineConfig(model_path=tmp_path / "junk.gguf"))
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    with pytest.raises(EngineError, match="not supported"):
+        LLMEngine(EngineConfig(model_path=tmp_path))
+    with pytest.raises(EngineError, match="block_size"):
+        EngineConfig(model_path=tmp_path, block_size=0)
