@@ -1,0 +1,16 @@
+"""Edge fixtures: one llama.cpp model shared by the real-model tests (loading is cheap, KV reuse is not)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def local_model(gguf_path: Path):
+    from edge.model import LocalModel
+
+    # One thread: on a shared 2-core machine two llama.cpp threads spin on each other's barriers.
+    model = LocalModel(gguf_path, n_ctx=2048, threads=1)
+    yield model
+    model.close()
