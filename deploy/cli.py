@@ -1,0 +1,193 @@
+"""`apiary distill`, `apiary quantize` and `apiary image keygen|build|verify|command`: making what runs on devices."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+DEFAULT_OUT = Path("results") / "distill" / "student"
+
+
+def _teacher_path(teacher: Optional[Path]) -> Path:
+    if teacher is not None:
+        return teacher
+    from shared import assets
+
+    return assets.ensure("smollm2-135m-q4")
+
+
+def _fail(message: str) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
+
+
+def distill_command(
+    teacher: Optional[Path] = typer.Option(None, help="Teacher GGUF (default: the SmolLM2-135M Q4 asset)."),
+    out: Path = typer.Option(DEFAULT_OUT, help="Working folder: corpus, targets, checkpoint, model/, report.json."),
+    layers: int = typer.Option(8, help="Student depth; teacher layers are copied evenly spread (first and last kept)."),
+    layer_ids: Optional[str] = typer.Option(None, help="Exact teacher layers to copy, e.g. '0,4,8,29'."),
+    steps: int = typer.Option(200, help="Optimizer steps."),
+    batch_size: int = typer.Option(8, help="Samples per step."),
+    seq_len: int = typer.Option(512, help="Max tokens per sample."),
+    lr: float = typer.Option(3e-4, help="Peak learning rate (warm-up, then cosine to a tenth)."),
+    temperature: float = typer.Option(2.0, help="Distillation temperature."),
+    alpha_ce: float = typer.Option(0.1, help="Weight of the next-token cross-entropy next to the KL."),
+    top_k: int = typer.Option(64, help="Teacher logits kept per position."),
+    n_sensor: int = typer.Option(240, help="Simulator situations answered by the teacher for training."),
+    n_eval: int = typer.Option(24, help="Held-out situations (other simulated hives) for the agreement report."),
+    n_general: Optional[int] = typer.Option(None, help="General-text records to include (default: all)."),
+    seed: int = typer.Option(0),
+    threads: int = typer.Option(2, help="Torch threads."),
+    answer_threads: int = typer.Option(1, help="llama.cpp threads for the teacher's answers."),
+    dtype: str = typer.Option("bfloat16", help="Autocast dtype for the student's matmuls: bfloat16 or float32."),
+    checkpoint_every: int = typer.Option(10, help="Steps between checkpoints."),
+    resume: bool = typer.Option(True, help="Continue from OUT/checkpoint.pt when present."),
+    progress: bool = typer.Option(True, help="Show the progress bar."),
+) -> None:
+    """Distill the cloud model into a smaller student (resumable); writes a Hugging Face folder the engine loads."""
+    from deploy.distill import DistillConfig, DistillError, distill
+
+    try:
+        ids = [int(x) for x in layer_ids.split(",")] if layer_ids else None
+        cfg = DistillConfig(teacher=_teacher_path(teacher), out=out, layers=layers, layer_ids=ids, steps=steps,
+                            batch_size=batch_size, seq_len=seq_len, lr=lr, temperature=temperature, alpha_ce=alpha_ce,
+                            top_k=top_k, n_sensor=n_sensor, n_eval=n_eval, n_general=n_general, seed=seed,
+                            threads=threads, answer_threads=answer_threads, dtype=dtype,
+                            checkpoint_every=checkpoint_every)
+        report = distill(cfg, resume=resume, progress=progress)
+    except (DistillError, ValueError) as e:
+        _fail(str(e))
+    after, before = report.eval.get("after", {}), report.eval.get("before", {})
+    typer.echo(json.dumps({"model": str(report.model_dir), "student_parameters": report.student_parameters,
+                           "teacher_parameters": report.teacher_parameters, "teacher_layers": report.teacher_layers,
+                           "steps": report.steps, "train_tokens": report.train_tokens,
+                           "first_loss": report.losses[0] if report.losses else None,
+                           "last_loss": report.losses[-1] if report.losses else None,
+                           "held_out_answer_agreement": {"before": before.get("answer_top1_agreement"),
+                                                         "after": after.get("answer_top1_agreement")},
+                           "held_out_all_agreement": {"before": before.get("all_top1_agreement"),
+                                                      "after": after.get("all_top1_agreement")},
+                           "seconds": round(report.seconds, 1)}, indent=1))
+
+
+def quantize_command(
+    folder: Path = typer.Argument(..., help="Hugging Face folder written by `apiary distill` (OUT/model)."),
+    out: Optional[Path] = typer.Option(None, help="GGUF to write (default: FOLDER/../student-<qtype>.gguf)."),
+    qtype: str = typer.Option("q4_0", help="q4_0 or q4_1."),
+    corpus: Optional[Path] = typer.Option(None, help="JSONL samples to measure on (default: FOLDER/../eval.jsonl "
+                                                     "when present, else sensor prompts + general text)."),
+    n_eval: int = typer.Option(16, help="Samples for the agreement check (0: skip it)."),
+    threads: int = typer.Option(1, help="llama.cpp threads."),
+) -> None:
+    """Export a student folder to an INT4 GGUF; report its size and top-1 agreement with its float32 self."""
+    from deploy.quantize import QuantizeError, quantize
+
+    out = out or folder.parent / f"{folder.parent.name}-{qtype}.gguf"
+    default_corpus = folder.parent / "eval.jsonl"
+    corpus = corpus or (default_corpus if default_corpus.is_file() else None)
+    try:
+        r = quantize(folder, out, qtype, corpus_path=corpus, n_eval=n_eval, threads=threads)
+    except QuantizeError as e:
+        _fail(str(e))
+    typer.echo(json.dumps({"gguf": str(r.path), "qtype": r.qtype, "size_mib": round(r.size_bytes / 2**20, 2),
+                           "fp32_mib": round(r.fp32_bytes / 2**20, 2),
+                           "top1_agreement_vs_fp32": r.top1_agreement, "positions": r.positions}, indent=1))
+
+
+image_app = typer.Typer(help="Signed edge images: keys, build, verify, OTA command.", no_args_is_help=True)
+
+
+@image_app.command("keygen")
+def keygen(out_dir: Path = typer.Option(Path(".apiary/keys"), help="Folder for NAME.key and NAME.pub."),
+           name: str = typer.Option("apiary-image")) -> None:
+    """Write an Ed25519 key pair: NAME.key (PKCS#8 PEM, 0600, keep it off devices) and NAME.pub (64 hex)."""
+    from shared.image import ImageError, write_keypair
+
+    try:
+        priv, pub = write_keypair(out_dir, name)
+    except ImageError as e:
+        _fail(str(e))
+    typer.echo(f"private key: {priv}\npublic key:  {pub} ({pub.read_text().strip()})")
+
+
+@image_app.command("build")
+def build(model: Path = typer.Argument(..., help="The model file (INT4 GGUF)."),
+          version: str = typer.Option(..., help="Image version, e.g. 2025.07.1"),
+          key: Path = typer.Option(..., help="Private key (PEM or hex) from `apiary image keygen`."),
+          out: Optional[Path] = typer.Option(None, help="Archive to write (default: apiary-image-VERSION.tar)."),
+          edge_config: Optional[Path] = typer.Option(None, help="JSON or TOML file with the edge settings to ship."),
+          power_profile: str = typer.Option("solar-small", help="Power profile name."),
+          threads: int = typer.Option(2, help="llama.cpp threads on the device."),
+          n_ctx: int = typer.Option(1024, help="Context length on the device.")) -> None:
+    """Pack a model with a signed manifest into one archive; print what the OTA command must carry."""
+    from shared.image import ImageError, build_image
+
+    try:
+        cfg = _read_config(edge_config) if edge_config else {}
+        info = build_image(out or Path(f"apiary-image-{version}.tar"), model, version, key, edge_config=cfg,
+                           power_profile={"name": power_profile, "threads": threads, "n_ctx": n_ctx})
+    except (ImageError, ValueError) as e:
+        _fail(str(e))
+    typer.echo(json.dumps({"path": str(info.path), "image_version": version, "sha256": info.sha256,
+                           "size": info.size, "signature": info.signature,
+                           "model": info.manifest.model.model_dump()}, indent=1))
+
+
+@image_app.command("verify")
+def verify(archive: Path = typer.Argument(...),
+           public_key: Path = typer.Option(..., help="Public key (hex or PEM)."),
+           sha256: Optional[str] = typer.Option(None, help="Expected archive sha256 (as in the OTA command)."),
+           version: Optional[str] = typer.Option(None, help="Expected image version.")) -> None:
+    """Check an archive exactly as a device does (hash, signature, manifest, model hash); exit 1 if refused."""
+    from shared.image import ImageError, verify_image
+
+    try:
+        info = verify_image(archive, public_key, expected_sha256=sha256, expected_version=version)
+    except ImageError as e:
+        typer.secho(f"refused ({e.reason}): {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1)
+    typer.echo(json.dumps({"ok": True, "sha256": info.sha256, "manifest": info.manifest.model_dump()}, indent=1))
+
+
+@image_app.command("command")
+def ota_command(archive: Path = typer.Argument(...), site: str = typer.Option(...), device: str = typer.Option(...),
+                url: str = typer.Option(..., help="Where the device downloads the archive (the cloud API)."),
+                public_key: Path = typer.Option(..., help="Public key, to check the archive before announcing it."),
+                broker: Optional[str] = typer.Option(None, help="mqtt://host:port: publish it (else just print it).")) -> None:
+    """Build (and optionally publish) the OTA command for an archive, after verifying it."""
+    from shared.image import ImageError, verify_image
+    from shared.protocol import OtaCommand
+
+    try:
+        info = verify_image(archive, public_key)
+        cmd = OtaCommand(site=site, device=device, image_version=info.manifest.image_version, url=url,
+                         sha256=info.sha256, signature=info.signature, size=info.size)
+    except (ImageError, ValueError) as e:
+        _fail(str(e))
+    typer.echo(cmd.model_dump_json(indent=1))
+    if broker:
+        from shared import topics
+        from shared.config import MqttConfig
+        from shared.protocol import make
+        from shared.transport import MqttTransport
+
+        with MqttTransport(MqttConfig.from_url(broker), f"apiary-ota-{site}-{device}", persistent=False) as t:
+            ok = t.publish(topics.ota_command(site, device), make(cmd, sender="apiary-image"), qos=1, timeout=10)
+        if not ok:
+            _fail("the broker did not acknowledge the OTA command within 10 s")
+        typer.echo(f"published on {topics.ota_command(site, device)}")
+
+
+def _read_config(path: Path) -> dict:
+    import tomllib
+
+    text = path.read_text()
+    return tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("distill")(distill_command)
+    app.command("quantize")(quantize_command)
+    app.add_typer(image_app, name="image")

@@ -1,0 +1,1 @@
+"""Data shipped with deploy: the general-text corpus (written for this project)."""

@@ -1,0 +1,90 @@
+"""INT4 GGUF export on tiny random models: llama.cpp reads exactly the model we wrote."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cloud.engine.loader import load_checkpoint, unpermute_qk
+from deploy.agreement import agreement, llama_top1, torch_top1
+from deploy.quantize import QuantizeError, export_gguf, permute_qk
+from deploy.student import LlamaForTraining, save_hf_folder
+from tests.deploy.conftest import tiny_model
+
+
+def test_permute_is_the_inverse_of_the_engines_unpermute() -> None:
+    w = np.random.default_rng(0).standard_normal((3 * 2 * 8, 5)).astype(np.float32)
+    for heads in (1, 3, 6):
+        p = permute_qk(w, heads)
+        assert not np.array_equal(p, w) and np.array_equal(unpermute_qk(p, heads), w)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory, teacher_tokenizer_meta: dict) -> tuple[Path, LlamaForTraining]:
+    model = tiny_model(seed=7)
+    return save_hf_folder(model, teacher_tokenizer_meta, tmp_path_factory.mktemp("q") / "student"), model
+
+
+@pytest.mark.timeout(300)
+def test_q4_0_export_reads_back_as_the_same_model_in_the_loader_and_in_llama_cpp(
+        tmp_path: Path, folder, teacher_tokenizer_meta: dict) -> None:
+    import gguf
+    from llama_cpp import Llama
+
+    from cloud.engine.tokenizer import Tokenizer
+
+    path, model = folder
+    out = export_gguf(path, tmp_path / "s.gguf", "q4_0")
+    back = load_checkpoint(out)
+    assert back.config.num_layers == 2 and back.config.num_kv_heads == 2 and back.config.tie_word_embeddings
+    assert back.metadata["tokenizer.chat_template"] == teacher_tokenizer_meta["tokenizer.chat_template"]
+    assert back.metadata["general.file_type"] == int(gguf.LlamaFileType.MOSTLY_Q4_0)
+    for name, w in model.state_dict().items():  # q/k come back un-permuted, so the permutation was right
+        err = float((back.weights[name] - w).norm() / w.norm())
+        assert err < (0.01 if name.endswith("norm.weight") else 0.2), (name, err)
+
+    llm = Llama(model_path=str(out), n_ctx=128, n_threads=1, verbose=False)
+    assert llm.n_vocab() == 49152 and llm.metadata["llama.block_count"] == "2"
+    tok = Tokenizer.from_gguf_metadata(teacher_tokenizer_meta)
+    text = tok.apply_chat_template([{"role": "user", "content": "Hive 12 weighs 41.3 kg, is that a swarm?"}])
+    assert llm.tokenize(text.encode(), add_bos=False, special=True) == tok.encode(text)
+    llm.close()
+    # The same (dequantised) weights in torch and in llama.cpp: the same next token nearly everywhere.
+    quantised = LlamaForTraining.from_checkpoint(back).eval()
+    seqs = [tok.encode(text), [int(i) for i in np.random.default_rng(1).integers(0, 49152, 40)]]
+    result = agreement(torch_top1(quantised, seqs), llama_top1(out, seqs, threads=1))
+    assert result.positions == sum(map(len, seqs)) and result.rate >= 0.9, result
+
+
+def test_q4_1_export_loads_in_llama_cpp(tmp_path: Path, folder) -> None:
+    from llama_cpp import Llama
+
+    path, _ = folder
+    q40, q41 = export_gguf(path, tmp_path / "a.gguf", "q4_0"), export_gguf(path, tmp_path / "b.gguf", "q4_1")
+    assert q40.stat().st_size < q41.stat().st_size  # Q4_1 blocks carry a minimum as well as a scale
+    llm = Llama(model_path=str(q41), n_ctx=64, n_threads=1, verbose=False)
+    assert llm.metadata["general.file_type"] == "3" and llm.n_vocab() == 49152
+    llm.eval(llm.tokenize(b"The hive is quiet", add_bos=False))
+    assert np.isfinite(np.asarray(llm.scores[llm.n_tokens - 1])).all()
+    llm.close()
+
+
+def test_bad_exports_are_refused(tmp_path: Path, folder, teacher_tokenizer_meta: dict) -> None:
+    path, _ = folder
+    with pytest.raises(QuantizeError, match="qtype"):
+        export_gguf(path, tmp_path / "x.gguf", "q2_k")
+    with pytest.raises(QuantizeError, match="cannot export"):
+        export_gguf(tmp_path / "nothing", tmp_path / "x.gguf")
+    plain = tmp_path / "no-tokenizer"
+    plain.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        (plain / f).write_bytes((path / f).read_bytes())
+    with pytest.raises(QuantizeError, match="tokenizer_gguf.json"):
+        export_gguf(plain, tmp_path / "x.gguf")
+    odd = save_hf_folder(tiny_model(hidden_size=48, head_dim=12, intermediate_size=96), teacher_tokenizer_meta,
+                         tmp_path / "odd")
+    with pytest.raises(QuantizeError, match="block size"):
+        export_gguf(odd, tmp_path / "x.gguf")
+    assert not (tmp_path / "x.gguf").exists()
