@@ -17,6 +17,7 @@ app = typer.Typer(
     help="Apiary Mesh: edge-to-cloud LLM inference for field sensor networks.",
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
+    rich_markup_mode=None,  # help texts say "[mqtt]" and "[default: …]" literally; no markup
 )
 
 for room in ROOMS:

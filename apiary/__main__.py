@@ -1,0 +1,3 @@
+from apiary.cli import app
+
+app()

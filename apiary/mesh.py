@@ -1,0 +1,231 @@
+"""The whole mesh on one machine: broker, cloud service, edge agents, bridge and simulator.
+
+Used by ``apiary demo`` (with a live view) and ``apiary bench mesh`` (at a fixed rate,
+with a broker restart). The cloud service and every edge agent run as their own
+processes, exactly as ``apiary cloud serve`` / ``apiary edge run`` would on their own
+machines; the simulator drives an in-process bridge through real frames (UDP-style
+datagrams through the frame decoder) so the injected anomalies' ground truth can be
+attached to events for scoring.
+"""
+from __future__ import annotations
+
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from apiary.observer import MeshObserver
+from apiary.supervisor import Supervisor
+from shared import assets
+from shared.brokers import EmbeddedBroker, MosquittoBroker, free_port
+from shared.config import MqttConfig
+
+HOUR = 3600.0
+
+
+class MeshError(RuntimeError):
+    """A component of the mesh did not come up (its log is named in the message)."""
+
+
+@dataclass
+class MeshOptions:
+    sites: int = 3
+    devices: int = 2  # hives per site
+    rate: float = 2.0  # frames per second, all devices together
+    interval_s: float = 300.0  # sim seconds between two frames of one device
+    seed: int = 0
+    anomalies_per_device: int = 1
+    anomaly_window_s: float = 60.0  # wall seconds over which the injected anomalies start, spread evenly
+    broker_url: str | None = None  # None: start one (embedded amqtt, or Mosquitto with use_mosquitto)
+    use_mosquitto: bool = False
+    results_dir: Path = Path("results/demo")
+    edge_threads: int = 1  # llama.cpp threads per agent: several agents share this machine's cores
+    model: str = "smollm2-135m-q4"
+    cloud_dtype: str = "auto"
+    startup_timeout_s: float = 300.0
+
+
+@dataclass
+class Mesh:
+    options: MeshOptions
+    supervisor: Supervisor = field(init=False)
+    broker: EmbeddedBroker | MosquittoBroker | None = None
+    mqtt: MqttConfig | None = None
+    cloud_url: str = ""
+    api_key: str = ""
+    observer: MeshObserver | None = None
+
+    def __post_init__(self) -> None:
+        self.results = self.options.results_dir
+        self.supervisor = Supervisor(self.results / "logs")
+        self._bridge: Any = None
+        self._fleet: Any = None
+        self._stop_sim = threading.Event()
+        self._sim_thread: threading.Thread | None = None
+        self.frames_sent = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, on_step: Any = None) -> "Mesh":
+        """Bring everything up in dependency order; ``on_step(text)`` reports progress."""
+        say = on_step or (lambda text: None)
+        o = self.options
+        self.results.mkdir(parents=True, exist_ok=True)
+        model_path = assets.ensure(o.model)  # once, before several processes would race to pull it
+        say(f"model {model_path}")
+        if o.broker_url:
+            self.mqtt = MqttConfig.from_url(o.broker_url)
+        elif o.use_mosquitto:
+            self.broker = MosquittoBroker(data_dir=self.results / "mosquitto")
+            self.mqtt = self.broker.start()
+        else:
+            self.broker = EmbeddedBroker()
+            self.mqtt = self.broker.start()
+        say(f"broker {self.mqtt.url}")
+
+        from firmware_bridge.simulator import Fleet
+
+        self._fleet = Fleet(o.sites, o.devices, seed=o.seed, interval_s=o.interval_s)
+        self._schedule_anomalies()
+
+        self.observer = MeshObserver(self.mqtt).start()
+        port = free_port()
+        cloud = self.supervisor.spawn("cloud", [
+            "cloud", "serve", "--broker", self.mqtt.url, "--port", str(port), "--model", str(model_path),
+            "--db", str(self.results / "cloud.db"), "--images", str(self.results / "images"),
+            "--api-key-file", str(self.results / "cloud-keys.jsonl"), "--dtype", o.cloud_dtype])
+        self.cloud_url, self.api_key = self._wait_for_cloud(cloud.log_path)
+        say(f"cloud {self.cloud_url}")
+        for site, node in self.devices():
+            self.supervisor.spawn(f"edge-{site}-{node}", [
+                "edge", "run", "--site", site, "--device", node, "--broker", self.mqtt.url, "--model", str(model_path),
+                "--state-dir", str(self.results / "edge" / f"{site}-{node}")],
+                env={"APIARY__EDGE__THREADS": str(o.edge_threads)})
+        self._wait_for_edges()
+        say(f"{len(self.devices())} edge agents online")
+
+        from firmware_bridge.bridge import connect
+        from firmware_bridge.settings import BridgeSettings
+
+        self._bridge = connect(BridgeSettings(name="demo-bridge", sites=self._fleet.sites()), self.mqtt,
+                               truth_lookup=self._fleet.truth)
+        self._sim_thread = threading.Thread(target=self._simulate, name="simulator", daemon=True)
+        self._sim_thread.start()
+        say("simulator and bridge running")
+        return self
+
+    def devices(self) -> list[tuple[str, str]]:
+        from firmware_bridge.settings import BridgeSettings
+
+        names = BridgeSettings()
+        return [(site, names.node_of(dev)) for dev, site in sorted(self._fleet.sites().items())]
+
+    def stop_simulator(self) -> None:
+        self._stop_sim.set()
+        if self._sim_thread is not None:
+            self._sim_thread.join(10)
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every event that needs an answer has one (or ``timeout_s`` passes)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            snap = self.observer.snapshot()
+            if snap["answered"] >= snap["events_needing_answer"]:
+                return True
+            time.sleep(0.5)
+        return False
+
+    def stop(self) -> None:
+        """Stop everything, newest first; safe to call twice and after a failed start."""
+        self.stop_simulator()
+        if self._bridge is not None:
+            self._bridge.stop(drain_timeout=5.0)
+            self._bridge = None
+        self.supervisor.stop_all()
+        if self.observer is not None:
+            self.observer.stop()
+        if self.broker is not None:
+            self.broker.stop()
+            if isinstance(self.broker, MosquittoBroker):
+                self.broker.close()
+            self.broker = None
+
+    def crashed(self) -> list[str]:
+        return [f"{m.name} (exit {m.proc.returncode}, log {m.log_path})" for m in self.supervisor.failed()]
+
+    # ------------------------------------------------------------------ cloud engine numbers
+
+    def engine_metrics(self) -> dict[str, float]:
+        """The engine gauges from the cloud's Prometheus endpoint (what any operator can scrape)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        try:
+            r = httpx.get(f"{self.cloud_url}/metrics", headers={"Authorization": f"Bearer {self.api_key}"},
+                          timeout=2.0)
+            r.raise_for_status()
+        except httpx.HTTPError:
+            return {}
+        out: dict[str, float] = {}
+        for fam in text_string_to_metric_families(r.text):
+            if fam.name.startswith("apiary_engine_"):
+                for s in fam.samples:
+                    out[s.name.removeprefix("apiary_engine_")] = s.value
+        return out
+
+    # ------------------------------------------------------------------ internals
+
+    def _schedule_anomalies(self) -> None:
+        """Spread the injected anomalies over the first part of the run, one device after another."""
+        o = self.options
+        hives = sorted(self._fleet.sites())
+        from firmware_bridge.simulator import ANOMALIES
+
+        kinds = list(ANOMALIES)
+        frames_per_device_per_s = o.rate / max(1, len(hives))
+        sim_per_wall_s = frames_per_device_per_s * o.interval_s
+        n = len(hives) * o.anomalies_per_device
+        for k in range(n):
+            wall_at = 5.0 + o.anomaly_window_s * k / max(1, n)
+            self._fleet.inject(kinds[k % len(kinds)], hives[k % len(hives)], self._fleet.t + wall_at * sim_per_wall_s)
+
+    def _simulate(self) -> None:
+        from firmware_bridge.simulator import emit
+
+        def count(_: Any) -> None:
+            self.frames_sent += 1
+
+        emit(self._fleet.frames(), self._bridge.feed_datagram, rate=self.options.rate, stop=self._stop_sim.is_set,
+             on_frame=count)
+
+    def _wait_for_cloud(self, log_path: Path) -> tuple[str, str]:
+        deadline = time.monotonic() + self.options.startup_timeout_s
+        url = key = ""
+        while time.monotonic() < deadline:
+            text = log_path.read_text(errors="replace") if log_path.exists() else ""
+            if m := re.search(r"listening on (http://\S+)", text):
+                url = m.group(1)
+            if m := re.search(r"API key for this process[^:]*: (\S+)", text):
+                key = m.group(1)
+            if url and key:
+                return url, key
+            if self.supervisor.failed():
+                break
+            time.sleep(0.3)
+        raise MeshError(f"the cloud service did not start; see {log_path}")
+
+    def _wait_for_edges(self) -> None:
+        want = {(s, d) for s, d in self.devices()}
+        deadline = time.monotonic() + self.options.startup_timeout_s
+        while time.monotonic() < deadline:
+            online = {tuple(k.split("/", 1)) for k, up in self.observer.snapshot()["nodes_online"].items() if up}
+            if want <= online:
+                return
+            if failed := self.crashed():
+                raise MeshError(f"an edge agent exited during start-up: {failed[0]}")
+            time.sleep(0.3)
+        raise MeshError(f"edge agents not online after {self.options.startup_timeout_s}s: "
+                        f"{sorted(want - online)}; logs in {self.supervisor.log_dir}")
