@@ -95,7 +95,8 @@ def _run_edge(cases: list[Case], settings: Any, model: Any) -> None:
         c.edge_pred = a.action["assessment"] if a.action else "invalid"
         c.score = out.confidence.score if out.confidence else None
         c.critical = bool(default.critical(Situation.of(c.event, link_up=True)))
-        c.edge = {"latency_ms": a.latency_ms, "wall_s": g.wall_s, "cpu_s": g.cpu_s, "tokens": g.completion_tokens,
+        c.edge = {"latency_ms": a.latency_ms, "wall_s": g.wall_s, "prefill_s": g.prefill_s, "cpu_s": g.cpu_s,
+                  "tokens": g.completion_tokens,
                   "prompt_tokens": g.prompt_tokens, "cached_tokens": g.cached_tokens, "energy_j": a.energy_j or 0.0}
         if (i + 1) % 20 == 0:
             print(f"  edge: {i + 1}/{len(cases)} situations")
@@ -208,6 +209,76 @@ def _thread_comparison(model: Any, cases: list[Case], n: int) -> list[list[Any]]
     return [[t, s[0] / s[1], s[2] / max(1, s[0]) * 1000.0] for t, s in stats.items()]
 
 
+def _chain_decode(model: Any, messages: list[Any], max_tokens: int) -> tuple[bytes, int, float]:
+    """The obvious alternative to LocalModel's loop: llama.cpp's sampler chain with the grammar first,
+    which applies the grammar to all 49k candidates every step. Returns (text, tokens, decode seconds)."""
+    import llama_cpp
+
+    llm = model.llm
+    tokens = model.tokenize(model.prompt_text(messages))
+    llm.reset()
+    llm.eval(tokens)  # prefill is not timed: only decoding is compared
+    chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_grammar(
+        llm._model.vocab, model.grammar_text.encode(), b"root"))
+    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
+    out: list[int] = []
+    t0 = time.perf_counter()
+    try:
+        for _ in range(max_tokens):
+            tok = llama_cpp.llama_sampler_sample(chain, llm._ctx.ctx, -1)  # applies the chain and accepts
+            if llama_cpp.llama_vocab_is_eog(llm._model.vocab, tok):
+                break
+            out.append(tok)
+            llm.eval([tok])
+    finally:
+        llama_cpp.llama_sampler_free(chain)
+    return b"".join(llm.detokenize([t]) for t in out), len(out), time.perf_counter() - t0
+
+
+def _highlevel_decode(llm: Any, grammar: Any, messages: list[Any], max_tokens: int) -> tuple[str, int, float]:
+    """llama-cpp-python's high-level path with logprobs (needs ``logits_all=True``) and the same grammar.
+    Called twice; the second call finds the whole prompt in the KV cache, so it times decoding."""
+    msgs = [m.model_dump() for m in messages]
+    kwargs = dict(max_tokens=max_tokens, temperature=0.0, grammar=grammar, logprobs=True, top_logprobs=1)
+    llm.create_chat_completion(msgs, **kwargs)
+    t0 = time.perf_counter()
+    r = llm.create_chat_completion(msgs, **kwargs)
+    return r["choices"][0]["message"]["content"], r["usage"]["completion_tokens"], time.perf_counter() - t0
+
+
+def _grammar_comparison(model: Any, cases: list[Case], n: int) -> list[list[Any]]:
+    """Three ways to get grammar-constrained greedy answers, same prompts, decode tok/s side by side:
+    LocalModel's loop (top-k grammar check + per-token logprobs), llama.cpp's grammar-first sampler
+    chain (no logprobs), and llama-cpp-python's high-level chat completion with logprobs."""
+    from llama_cpp import Llama, LlamaGrammar
+
+    from shared.prompting import build_messages
+
+    prompts = [build_messages(c.event, c.context) for c in cases if c.needs_answer][:n]
+    high = Llama(str(model.path), n_ctx=model.n_ctx, n_threads=model.threads, n_threads_batch=model.threads,
+                 logits_all=True, verbose=False)
+    grammar = LlamaGrammar.from_string(model.grammar_text, verbose=False)
+    stats = {k: [0, 0.0, 0] for k in ("lazy", "chain", "high")}  # tokens, seconds, identical to LocalModel
+    for msgs in prompts:
+        g = model.generate(msgs, max_tokens=96)
+        stats["lazy"][0] += g.completion_tokens
+        stats["lazy"][1] += g.wall_s - g.prefill_s
+        stats["lazy"][2] += 1
+        text, count, seconds = _chain_decode(model, msgs, 96)
+        stats["chain"][0] += count
+        stats["chain"][1] += seconds
+        stats["chain"][2] += text.decode("utf-8", errors="replace") == g.text
+        text, count, seconds = _highlevel_decode(high, grammar, msgs, 96)
+        stats["high"][0] += count
+        stats["high"][1] += seconds
+        stats["high"][2] += text == g.text
+    high.close()
+    names = {"lazy": "LocalModel loop, logprobs", "chain": "grammar-first sampler chain, no logprobs",
+             "high": "create_chat_completion(logprobs=True)"}
+    return [[names[k], t / s, f"{same}/{len(prompts)} same text"] for k, (t, s, same) in stats.items()]
+
+
 def command(
     limit: int = typer.Option(0, help="use only the first N situations of each split (0: all)"),
     threads: int = typer.Option(1, help="llama.cpp threads for the evaluation (1 is robust on a shared machine)"),
@@ -216,6 +287,7 @@ def command(
     cloud_max_tokens: int = typer.Option(128, help="max tokens per cloud answer"),
     skip_cloud: bool = typer.Option(False, help="edge only (no cloud engine)"),
     thread_prompts: int = typer.Option(6, help="prompts for the 1-vs-2 thread comparison (0: skip)"),
+    grammar_prompts: int = typer.Option(3, help="prompts for the grammar-strategy comparison (0: skip)"),
 ) -> None:
     """Evaluate edge-only, cloud-only and the cascade; measure the edge's speed, latency, memory and energy."""
     import numpy as np
@@ -239,6 +311,7 @@ def command(
     edge_s = time.perf_counter() - t0
     rss_edge = _rss_mib()
     speed_rows = _thread_comparison(model, cases, thread_prompts) if thread_prompts else []
+    grammar_rows = _grammar_comparison(model, cases, grammar_prompts) if grammar_prompts else []
     model.close()
 
     skipped = "cloud pass skipped (--skip-cloud)" if skip_cloud else None
@@ -271,6 +344,8 @@ def command(
     answered = [c for c in cases if c.needs_answer and c.edge]
     tokens = sum(c.edge["tokens"] for c in answered)
     wall = sum(c.edge["wall_s"] for c in answered)
+    prefill = sum(c.edge["prefill_s"] for c in answered)
+    prefilled = sum(c.edge["prompt_tokens"] - c.edge["cached_tokens"] for c in answered)
     lat = [c.edge["latency_ms"] for c in answered]
     energy = sum(c.edge["energy_j"] for c in answered)
     per_label = {}
@@ -280,6 +355,8 @@ def command(
                             **({"cloud": float(np.mean([c.cloud_pred == label for c in group]))} if not skipped else {})}
     runtime = {
         "edge_tokens_per_s": tokens / wall if wall else float("nan"),
+        "edge_decode_tokens_per_s": tokens / (wall - prefill) if wall > prefill else float("nan"),
+        "edge_prefill_tokens_per_s": prefilled / prefill if prefill else float("nan"),
         "decision_latency_ms_p50": percentile(lat, 50), "decision_latency_ms_p99": percentile(lat, 99),
         "rss_mib_edge": rss_edge, "rss_mib_before_model": rss0, "model_load_s": load_s,
         "joules_per_answered_event": energy / max(1, len(answered)),
@@ -301,11 +378,14 @@ def command(
     for t, tps, cpu_ms in speed_rows:
         table.add_row(f"tok/s at {t} thread(s) (side by side)", f"{tps:.3g}")
         table.add_row(f"CPU ms/token at {t} thread(s)", f"{cpu_ms:.3g}")
+    for name, tps, note in grammar_rows:
+        table.add_row(f"decode tok/s, {name}", f"{tps:.3g} {note}".strip())
     Console().print(table)
     extra = {"runtime": runtime, "threshold": threshold, "max_escalated": max_escalated,
              "calibration": {"n": len(cal), **({"cascade": _score(cal, threshold), "edge_only": _score(cal, None),
                                                   "cloud_only": _score(cal, math.inf, draft=False)} if threshold is not None else {})},
              "test_n": len(test), "per_label_test": per_label, "thread_comparison": speed_rows,
+             "grammar_comparison": grammar_rows,
              "cloud": {"skipped": skipped, "dtype": cloud_dtype, **({"pass_s": cloud_s} if not skipped else {})},
              "confusion_edge_test": _confusion(test, "edge_pred"),
              "cases": [{"id": c.id, "split": c.split, "label": c.label, "edge": c.edge_pred, "score": c.score,

@@ -128,7 +128,8 @@ def run_llama_cpp(path: Path, work: list[Request], threads: int) -> Result:
     import numpy as np
 
     n_ctx = max(len(r.prompt) + r.max_tokens for r in work) + 8
-    llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=512, n_threads=threads, verbose=False)
+    llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads,
+                          verbose=False)
     n_vocab = llm.n_vocab()
     outputs = []
     try:

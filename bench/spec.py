@@ -71,11 +71,14 @@ def command(prompts: int = 6, max_tokens: int = 64, k: int = 8, draft_layers: in
     greedy = SamplingParams(max_tokens=max_tokens)
 
     def use(variant: str) -> None:
-        """plain, ngram, draft (the adaptive policy decides), or draft-forced (always k proposals)."""
+        """plain, ngram, draft (the adaptive policy decides), draft-forced (always k proposals), or
+        ngram-uncapped (no max_batch cap: the measured step times alone decide)."""
         spec.enabled = variant != "plain"
         spec.config.adaptive = variant != "draft-forced"
+        for policy in spec.policies.values():
+            policy.max_batch = 1 << 30 if variant == "ngram-uncapped" else spec.config.max_batch
         if variant != "plain":
-            spec.method = variant.removesuffix("-forced")
+            spec.method = variant.removesuffix("-forced").removesuffix("-uncapped")
 
     def run_one(prompt: list[int], variant: str) -> dict[str, Any]:
         use(variant)
@@ -136,13 +139,15 @@ def command(prompts: int = 6, max_tokens: int = 64, k: int = 8, draft_layers: in
     # Batch throughput: `batch` structured requests at once, speculation off vs on (n-gram, draft).
     bprompts = structured_prompts(tok, batch, seed + 1)
     engine.generate(bprompts, [warm] * len(bprompts))
-    for variant in variants[:3]:  # untimed: step times of the batch sizes get measured, the draft caches fill
+    batch_variants = [*variants[:3], "ngram-uncapped"]
+    for variant in batch_variants:  # untimed: step times of the batch sizes get measured, the draft caches fill
         use(variant)
         engine.generate(bprompts, [SamplingParams(max_tokens=max(8, max_tokens // 4))] * len(bprompts))
-    batch_variants = variants[:3]
     batch_tps: dict[str, list[float]] = {v: [] for v in batch_variants}
-    batch_steps: dict[str, list[int]] = {v: [] for v in ("ngram", "draft")}
+    batch_steps: dict[str, list[int]] = {v: [] for v in batch_variants[1:]}
+    batch_same: dict[str, int] = {v: 0 for v in batch_variants}
     for _ in range(batch_rounds):
+        plain_ids: list[list[int]] = []
         for variant in batch_variants:
             use(variant)
             before = engine.metrics()
@@ -150,14 +155,19 @@ def command(prompts: int = 6, max_tokens: int = 64, k: int = 8, draft_layers: in
             outs = engine.generate(bprompts, [greedy] * len(bprompts))
             wall = time.perf_counter() - start
             batch_tps[variant].append(sum(len(o.output_token_ids) for o in outs) / wall)
+            ids = [o.output_token_ids for o in outs]
+            plain_ids = plain_ids or ids  # plain runs first in each round
+            batch_same[variant] += sum(a == b for a, b in zip(ids, plain_ids))
             if variant != "plain":
-                batch_steps[variant].append(engine.metrics()[f"spec_{variant}_steps_on"] - before[f"spec_{variant}_steps_on"])
+                key = f"spec_{spec.method}_steps_on"
+                batch_steps[variant].append(engine.metrics()[key] - before[key])
             print(f"batch {batch} {variant}: {batch_tps[variant][-1]:.1f} tok/s", flush=True)
     off = statistics.mean(batch_tps["plain"])
     for variant in batch_variants:
         on = statistics.mean(batch_tps[variant])
         rows.append([f"batch {batch}", variant, batch, "-", on, on / off, "-",
-                     f"spec steps {sum(batch_steps.get(variant, [0]))}" if variant != "plain" else "-", "-"])
+                     f"spec steps {sum(batch_steps.get(variant, [0]))}" if variant != "plain" else "-",
+                     f"{batch_same[variant]}/{batch * batch_rounds}"])
     use("plain")
     history_tokens = spec.ngram.history.num_tokens
     columns = ["workload", "variant", "requests", "mean latency s", "tok/s", "vs plain", "acceptance",

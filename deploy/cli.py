@@ -120,7 +120,7 @@ def build(model: Path = typer.Argument(..., help="The model file (INT4 GGUF)."),
           edge_config: Optional[Path] = typer.Option(None, help="JSON or TOML file with the edge settings to ship."),
           power_profile: str = typer.Option("solar-small", help="Power profile name."),
           threads: int = typer.Option(2, help="llama.cpp threads on the device."),
-          n_ctx: int = typer.Option(1024, help="Context length on the device.")) -> None:
+          n_ctx: int = typer.Option(2048, help="Context length on the device (the edge prompt with context needs ~1.4k).")) -> None:
     """Pack a model with a signed manifest into one archive; print what the OTA command must carry."""
     from shared.image import ImageError, build_image
 

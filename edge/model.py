@@ -63,6 +63,7 @@ class Generation:
     full_checks: int = 0  # steps where no top-k candidate fit the grammar and the whole vocabulary was checked
     cpu_s: float = 0.0  # process CPU time spent, all threads (energy = cpu_s x watts per core)
     wall_s: float = 0.0
+    prefill_s: float = 0.0  # part of wall_s spent evaluating the uncached prompt tokens
 
     @property
     def completion_tokens(self) -> int:
@@ -70,7 +71,13 @@ class Generation:
 
     @property
     def tokens_per_s(self) -> float:
+        """Generated tokens per second of the whole call (prefill included)."""
         return self.completion_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        decode = self.wall_s - self.prefill_s
+        return self.completion_tokens / decode if decode > 0 else 0.0
 
 
 class LocalModel:
@@ -152,6 +159,7 @@ class LocalModel:
         top_np = np.frombuffer(top, dtype=_TOKEN_DATA)
         try:
             llm.eval(tokens[cached:])
+            out.prefill_s = time.perf_counter() - wall0
             for _ in range(max_tokens):
                 logits = np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(self.n_vocab,))
                 token, choice_lp, entropy, full = self._pick(grammar, logits, top, top_np, k)

@@ -182,7 +182,7 @@ PROBE_EVENT = SensorEvent(  # a plain heat-stress case, in the simulator's readi
 )
 
 
-def probe_model(model_path: str | Path, *, max_tokens: int = 96, threads: int = 2, n_ctx: int = 1024) -> dict[str, Any]:
+def probe_model(model_path: str | Path, *, max_tokens: int = 96, threads: int = 2, n_ctx: int = 2048) -> dict[str, Any]:
     """Answer the probe event the way the agent answers events (``edge.model.LocalModel``, shared prompt and parser)."""
     from edge.model import LocalModel
     from shared.prompting import build_messages, parse_action
@@ -215,7 +215,7 @@ class LlamaHealthCheck:
     def __call__(self, model_path: Path, manifest: image.Manifest) -> str:
         profile = manifest.power_profile
         cmd = [sys.executable, "-m", "edge.ota", str(model_path), "--max-tokens", str(self.max_tokens),
-               "--n-ctx", str(int(profile.get("n_ctx", 1024))), "--threads", str(int(profile.get("threads", 2)))]
+               "--n-ctx", str(int(profile.get("n_ctx", 2048))), "--threads", str(int(profile.get("threads", 2)))]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=self.budget_s)
         except subprocess.TimeoutExpired:
@@ -434,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("model")
     p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--n-ctx", type=int, default=1024)
+    p.add_argument("--n-ctx", type=int, default=2048)
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     result = probe_model(args.model, max_tokens=args.max_tokens, threads=args.threads, n_ctx=args.n_ctx)

@@ -62,9 +62,11 @@ def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor)
         buffers = getattr(_workspace, "buffers", None)
         if buffers is None:
             buffers = _workspace.buffers = {}
-        buf = buffers.get(k_cache.dtype)
+        # inference-mode tensors cannot be written outside inference mode (and vice versa): one buffer each
+        key = (k_cache.dtype, torch.is_inference_mode_enabled())
+        buf = buffers.get(key)
         if buf is None or buf.numel() < 2 * n * head_dim:
-            buf = buffers[k_cache.dtype] = torch.empty(2 * n * head_dim, dtype=k_cache.dtype)
+            buf = buffers[key] = torch.empty(2 * n * head_dim, dtype=k_cache.dtype)
         k, v = buf[:n * head_dim].view(n, head_dim), buf[n * head_dim:2 * n * head_dim].view(n, head_dim)
         torch.index_select(k_cache.view(-1, head_dim), 0, index, out=k)
         torch.index_select(v_cache.view(-1, head_dim), 0, index, out=v)

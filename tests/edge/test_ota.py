@@ -107,7 +107,7 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def real_image(tmp_path_factory: pytest.TempPathFactory, keys: tuple[Path, Path], gguf_path: Path) -> image.ImageInfo:
     """The real SmolLM2 Q4 GGUF in a signed image (one llama.cpp thread: the test machine is shared)."""
     return image.build_image(tmp_path_factory.mktemp("img") / "v1.tar", gguf_path, "1.0.0", keys[0],
-                             power_profile={"name": "test", "threads": 1, "n_ctx": 1024})
+                             power_profile={"name": "test", "threads": 1, "n_ctx": 2048})
 
 
 def small_image(tmp_path: Path, key: Path, version: str, payload: bytes = b"GGUF" + bytes(range(256)) * 2000,

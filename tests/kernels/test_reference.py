@@ -111,3 +111,20 @@ def test_prefill_reference_random_batches(data):
     out = reference.paged_prefill_attention(case.q, case.k_cache, case.v_cache, case.block_tables,
                                             case.cu_seqlens_q, case.context_lens, case.scale, window)
     torch.testing.assert_close(out.double(), dense_attention(case, window), **tolerance(torch.float32))
+
+
+def test_gather_buffer_survives_switching_inference_mode() -> None:
+    """The engine runs under inference_mode, other callers do not: the reused CPU buffer must serve both."""
+    import torch
+
+    from kernels import reference
+
+    k_cache = torch.randn(4, 16, 2, 8)
+    v_cache = torch.randn(4, 16, 2, 8)
+    q = torch.randn(1, 4, 8)
+    tables = torch.tensor([[0, 1]], dtype=torch.int32)
+    lens = torch.tensor([20], dtype=torch.int32)
+    with torch.inference_mode():
+        inside = reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.35).clone()
+    outside = reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.35)
+    torch.testing.assert_close(inside, outside)

@@ -223,3 +223,17 @@ def test_urgent_prompt_gets_a_short_step() -> None:
     assert counts == {decoder: 1, urgent: 10}
     batch = run_step(sched)
     assert dict(zip(batch.seqs, batch.num_new_tokens))[long_low] == 32 - 2  # back to full chunks
+
+
+def test_aging_also_rescues_a_running_prefill_from_urgent_traffic() -> None:
+    sched = make_scheduler(budget=16, max_seqs=8, aging_steps=2)
+    lazy = make_seq(64, priority=3, max_tokens=1)
+    sched.add(lazy)
+    run_step(sched)
+    assert 0 < lazy.num_computed_tokens < 64  # mid-prefill
+    steps = 0
+    while lazy.status is not SequenceStatus.FINISHED and steps < 100:
+        sched.add(make_seq(list(range(500 + 10 * steps, 510 + 10 * steps)), priority=0, max_tokens=1))
+        run_step(sched)
+        steps += 1
+    assert lazy.status is SequenceStatus.FINISHED and lazy.aging_boost >= 3
