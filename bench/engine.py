@@ -166,6 +166,8 @@ def command(
     max_num_seqs: int = typer.Option(64, help="engine: concurrent sequences"),
     budget: int = typer.Option(1024, help="engine: max tokens per step"),
     seed: int = typer.Option(0, help="workload seed"),
+    sequential_requests: int = typer.Option(0, help="run the one-at-a-time systems on only the first N requests "
+                                                    "(a random sample of the same workload; 0 = all)"),
     model: str = typer.Option("", help="GGUF path; default: the smollm2-135m-q4 asset"),
 ) -> None:
     import torch
@@ -193,11 +195,13 @@ def command(
     engines: dict[str, Any] = {}
     tokenizer = (engines.setdefault(dtype, engine_for(dtype))).tokenizer
     work = make_workload(tokenizer, requests, (p_lo, p_hi), (o_lo, o_hi), seed)
+    seq_work = work[:sequential_requests] if sequential_requests > 0 else work
     results: dict[str, Result] = {}
     loads: dict[str, tuple[float, float]] = {}
     for system in chosen:
         load_before = os.getloadavg()[0]
-        typer.echo(f"running {system} on {len(work)} requests (load average {load_before:.1f}) ...")
+        n = len(work) if system in ("engine", "engine-fp32") else len(seq_work)
+        typer.echo(f"running {system} on {n} requests (load average {load_before:.1f}) ...")
         if system == "engine":
             res = run_engine(engines.setdefault(dtype, engine_for(dtype)), work, max_num_seqs)
             res.detail = f"continuous batching, {dtype}, max_num_seqs={max_num_seqs}, budget={budget}"
@@ -207,13 +211,13 @@ def command(
         elif system == "engine-bs1":
             # Batch size 1 in float32: bf16 gains nothing at batch 1 on this CPU (measured), so the
             # sequential baseline gets its fastest precision.
-            res = run_engine(engines.setdefault("float32", engine_for("float32")), work, 1)
+            res = run_engine(engines.setdefault("float32", engine_for("float32")), seq_work, 1)
             res.detail = "one request at a time (max_num_seqs=1), float32"
         elif system == "hf":
-            res = run_hf(path, work)
+            res = run_hf(path, seq_work)
             res.detail = "transformers generate, one request at a time, float32"
         else:
-            res = run_llama_cpp(path, work, threads)
+            res = run_llama_cpp(path, seq_work, threads)
             res.detail = f"llama-cpp-python, one request at a time, {threads} threads, GGUF Q4_1"
         res.system = system
         results[system] = res
@@ -232,7 +236,7 @@ def command(
                      ratio(system, "hf"), ratio(system, "llama-cpp"),
                      percentile(ttft, 50) if ttft else "-", percentile(ttft, 99) if ttft else "-"])
     reference = results.get("engine-fp32") or results.get("engine-bs1")
-    agreements = {s: agreement(reference.extra["tokens"], r.extra["tokens"])
+    agreements = {s: agreement(reference.extra["tokens"][:len(r.extra["tokens"])], r.extra["tokens"])
                   for s, r in results.items() if reference is not None and r is not reference}
     kv: dict[str, Any] = {}
     if "engine" in results:
@@ -248,7 +252,9 @@ def command(
            columns, rows, {
                "workload": {"requests": len(work), "prompt_tokens": sum(len(r.prompt) for r in work),
                             "output_tokens": sum(r.max_tokens for r in work), "seed": seed,
-                            "prompt_range": [p_lo, p_hi], "output_range": [o_lo, o_hi]},
+                            "prompt_range": [p_lo, p_hi], "output_range": [o_lo, o_hi],
+                            "sequential_systems_requests": len(seq_work),
+                            "sequential_output_tokens": sum(r.max_tokens for r in seq_work)},
                "systems": {s: r.detail for s, r in results.items()},
                "threads": threads, "load_average_before_after": loads, "kv_cache": kv,
                "first16_token_agreement_vs_fp32_engine": agreements,

@@ -11,12 +11,17 @@ BROKER_HELP = "MQTT broker URL (mqtt://host:port); default: \\[mqtt] in the conf
 CONFIG_HELP = "apiary TOML config (\\[edge] and \\[mqtt] sections); also $APIARY_CONFIG"
 
 
-def register(app: typer.Typer) -> None:
+def edge_app() -> typer.Typer:
+    """The edge commands (``apiary edge …``; ``python -m edge …`` runs them directly)."""
     edge = typer.Typer(help="The edge agent: local INT4 model, escalation to the cloud, store-and-forward.",
-                       no_args_is_help=True)
+                       no_args_is_help=True, pretty_exceptions_show_locals=False)
     edge.command("run")(run)
     edge.command("answer")(answer)
-    app.add_typer(edge, name="edge")
+    return edge
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(edge_app(), name="edge")
 
 
 def run(

@@ -72,6 +72,10 @@ def broker(
     from shared.logs import configure
 
     configure(fmt="text")
+    # Handlers first: a Ctrl-C that lands while the broker is still starting must stop it cleanly too.
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     server = (MosquittoBroker(port=port, host=host, data_dir=data_dir) if mosquitto
               else EmbeddedBroker(host=host, port=port))
     try:
@@ -83,9 +87,6 @@ def broker(
     typer.echo(f"broker listening on {config.url} ({kind}); Ctrl-C to stop")
     if host not in ("127.0.0.1", "localhost", "::1"):
         typer.echo("warning: listening beyond loopback without TLS or passwords", err=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     try:
         while not stop.is_set() and server.running:
             stop.wait(0.5)

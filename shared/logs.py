@@ -51,6 +51,19 @@ class TextFormatter(logging.Formatter):
         return line + ("\n" + self.formatException(record.exc_info) if record.exc_info else "")
 
 
+class _CurrentStderr(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is *now*: test runners and daemons swap it, and a handler
+    holding the old (closed) stream would print "Logging error" tracebacks instead of the record."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: Any) -> None:
+        pass
+
+
 def configure(level: str | None = None, fmt: str | None = None, stream: Any = None) -> None:
     """Install the apiary handler on the root logger (idempotent)."""
     level = (level or os.environ.get("APIARY_LOG_LEVEL", "INFO")).upper()
@@ -59,7 +72,7 @@ def configure(level: str | None = None, fmt: str | None = None, stream: Any = No
     for h in list(root.handlers):
         if getattr(h, "_apiary", False):
             root.removeHandler(h)
-    handler = logging.StreamHandler(stream or sys.stderr)
+    handler = logging.StreamHandler(stream) if stream is not None else _CurrentStderr()
     handler._apiary = True  # type: ignore[attr-defined]
     handler.addFilter(_ContextFilter())
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())

@@ -137,7 +137,7 @@ def outbox_rows(state_dir: Path) -> list[tuple[str, str]]:
 
 def agent_process(config: MqttConfig, state_dir: Path, cfg_file: Path, log: Path) -> subprocess.Popen:
     env = {**os.environ, "APIARY_LOG_FORMAT": "text", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "edge", "edge", "run", "--site", SITE, "--device", DEVICE, "--broker", config.url,
+    cmd = [sys.executable, "-m", "edge", "run", "--site", SITE, "--device", DEVICE, "--broker", config.url,
            "--state-dir", str(state_dir), "--config", str(cfg_file)]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
 

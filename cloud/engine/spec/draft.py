@@ -27,7 +27,7 @@ from cloud.engine.spec.batching import Entry, build_inputs
 from cloud.engine.spec.probs import draw, sampling_probs
 
 
-CATCH_UP_TOKENS = 2048
+CATCH_UP_TOKENS = 512
 
 
 @dataclass(slots=True)

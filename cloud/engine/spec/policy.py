@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 IDLE_DRIFT = 0.05  # per idle step, the share of the gap to the prior an estimate closes
 PRIOR_WEIGHT = 0.05  # weight of one verification in the shared prior
-PRIOR_DRIFT = 0.01  # per quiet step, the share of the gap to initial_acceptance the prior closes
+PRIOR_DRIFT = 0.002  # per quiet step, the share of the gap to initial_acceptance the prior closes
 PROBE_EVERY = 32  # decode steps without speculation before one is planned on prior costs
 
 

@@ -73,3 +73,32 @@ def test_unsupported_gguf_vocabulary_is_a_clear_error() -> None:
     with pytest.raises(EngineError, match="pre-tokenizer"):
         Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a"],
                                       "tokenizer.ggml.pre": "no-such-pre"})
+
+
+@pytest.mark.parametrize("stop", [[], ["蜂在"], ["🐝🍯", "zz"]])
+def test_incremental_detokenization_matches_full_decode(tiny_llama: Path, stop: list[str]) -> None:
+    from cloud.engine import SamplingParams
+    from cloud.engine import detokenizer
+    from tests.cloud.engine.helpers import make_seq
+
+    tok = Tokenizer.from_folder(tiny_llama)
+    text = "Bienen 🐝🍯 sammeln. 中文：蜜蜂在采蜜。한국어 꿀벌 ミツバチ"
+    ids = tok.encode(text)
+    seq = make_seq(tok.encode("Report: "))
+    seq.params = SamplingParams(stop=stop)
+    detokenizer.start(seq)
+    deltas = []
+    for i, token in enumerate(ids):
+        seq.token_ids.append(token)
+        final = i == len(ids) - 1
+        searched_from = len(seq.text)
+        detokenizer.update_text(tok, seq, final=final)
+        if stop and detokenizer.find_stop(seq, searched_from):
+            final = True
+        deltas.append(detokenizer.release(seq, final=final))
+        assert "\ufffd" not in deltas[-1]  # never a half character
+        if final:
+            break
+    expected = tok.decode(ids)
+    cut = min((expected.find(s) for s in stop if s in expected), default=len(expected))
+    assert "".join(deltas) == expected[:cut]
