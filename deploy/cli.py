@@ -30,7 +30,7 @@ def distill_command(
     layer_ids: Optional[str] = typer.Option(None, help="Exact teacher layers to copy, e.g. '0,4,8,29'."),
     steps: int = typer.Option(200, help="Optimizer steps."),
     batch_size: int = typer.Option(8, help="Samples per step."),
-    seq_len: int = typer.Option(512, help="Max tokens per sample."),
+    seq_len: int = typer.Option(512, help="General text is cut into pieces of this many tokens."),
     lr: float = typer.Option(3e-4, help="Peak learning rate (warm-up, then cosine to a tenth)."),
     temperature: float = typer.Option(2.0, help="Distillation temperature."),
     alpha_ce: float = typer.Option(0.1, help="Weight of the next-token cross-entropy next to the KL."),

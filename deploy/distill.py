@@ -14,8 +14,13 @@ The student copies the teacher's embeddings, final norm, head and an evenly spre
 of its layers, then minimises the temperature-scaled KL divergence to the teacher
 (times T^2) plus ``alpha_ce`` x cross-entropy on the text itself. The teacher runs once per
 sample, not once per step: on this CPU its forward costs as much as a student step, and
-its top 64 logits hold nearly all of its probability mass, so the KL is taken over them
-(the teacher's distribution renormalised on its top k; the student's full softmax).
+its top 64 tokens hold nearly all of its probability mass, so the KL is taken over them plus
+one bucket for everything else (exact over those 65 outcomes).
+
+Sensor prompts all open with the same ~1,200-token system message. That prefix runs once
+(teacher: once in all; student: once per batch at batch 1, gradients flowing back through
+its K/V into every sample's tail), and its loss counts as one sample's, so the answers are
+what the student spends its steps on.
 """
 from __future__ import annotations
 
@@ -52,7 +57,7 @@ class DistillConfig:
     layer_ids: list[int] | None = None  # or exactly these teacher layers
     steps: int = 200
     batch_size: int = 8
-    seq_len: int = 512  # longer samples are cut (general text into several samples)
+    seq_len: int = 512  # general text is cut into pieces of this many tokens; sensor samples stay whole
     lr: float = 3e-4
     warmup_steps: int = 10
     temperature: float = 2.0
@@ -89,6 +94,29 @@ class DistillConfig:
 class TokenSample:
     ids: list[int]
     answer_start: int  # first position whose next token belongs to the answer (0 for general text)
+    shared: bool = False  # starts with the corpus's shared prompt prefix (every sensor sample does)
+
+
+# The teacher at temperature T, per position: its top-k token ids [n, k] (int32) and their log-probabilities
+# plus the log of the probability left outside them [n, k + 1] (float32). With that "rest" bucket the KL is
+# exact over k + 1 outcomes: zero only when the student matches the teacher, not when it crams all its
+# mass into the teacher's top k.
+Targets = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(slots=True)
+class TokenData:
+    """Tokenised samples plus the prompt prefix all sensor samples share (the fixed system message).
+
+    The prefix runs once per batch (student) or once in all (teacher) and its K/V is reused:
+    sensor prompts are ~1,300 tokens of which ~1,200 are that prefix.
+    """
+
+    prefix: list[int]
+    samples: list[TokenSample]
+
+    def tail(self, s: TokenSample) -> list[int]:
+        return s.ids[len(self.prefix):] if s.shared else s.ids
 
 
 @dataclass(slots=True)
@@ -109,34 +137,69 @@ class DistillReport:
 # ---------------------------------------------------------------- data
 
 
-def tokenize(tok: Any, samples: list[corpus_mod.Sample], seq_len: int) -> list[TokenSample]:
+def tokenize(tok: Any, samples: list[corpus_mod.Sample], seq_len: int, prefix: list[int] | None = None) -> TokenData:
+    """Token ids; general text cut into ``seq_len`` pieces; sensor samples whole, their shared prefix found.
+
+    ``prefix``: use this shared prefix (the training set's) instead of finding one.
+    """
     out: list[TokenSample] = []
+    prompts: list[list[int]] = []
     for s in samples:
         ids = tok.encode(s.text)
         if s.kind == "general":
             out += [TokenSample(ids[i:i + seq_len], 0) for i in range(0, len(ids), seq_len) if len(ids[i:i + seq_len]) > 8]
         else:
-            out.append(TokenSample(ids[:seq_len], max(0, min(len(tok.encode(s.prompt)) - 1, seq_len - 1))))
-    return out
+            prompt = tok.encode(s.prompt)
+            if ids[:len(prompt)] != prompt or len(ids) == len(prompt):
+                raise DistillError("a sensor sample's prompt does not tokenise as a prefix of prompt + answer")
+            prompts.append(prompt)
+            out.append(TokenSample(ids, len(prompt) - 1, shared=True))
+    if prefix is None:
+        prefix = _common_prefix(prompts) if len(prompts) > 1 else []
+    if any(s.ids[:len(prefix)] != prefix for s in out if s.shared):
+        prefix = []
+    return TokenData(prefix=prefix, samples=out) if prefix else \
+        TokenData(prefix=[], samples=[dataclasses.replace(s, shared=False) for s in out])
+
+
+def _common_prefix(seqs: list[list[int]]) -> list[int]:
+    first = seqs[0]
+    n = min(len(s) for s in seqs)
+    for s in seqs[1:]:
+        n = next((i for i in range(n) if s[i] != first[i]), n)
+    return first[:n]
+
+
+def top_k_targets(logits: torch.Tensor, k: int, temperature: float) -> Targets:
+    """``logits`` [..., V] -> top-k ids and [top-k log-probs at ``temperature``, log of the rest]."""
+    logp = F.log_softmax(logits.float() / temperature, dim=-1)
+    values, indices = logp.topk(k, dim=-1)
+    rest = torch.logsumexp(logp.scatter(-1, indices, float("-inf")), dim=-1, keepdim=True)
+    return indices.to(torch.int32), torch.cat([values, rest], dim=-1)
 
 
 @torch.no_grad()
-def teacher_targets(teacher: LlamaForTraining, samples: list[TokenSample], k: int, batch_size: int = 4,
-                    on_batch: Callable[[int], None] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The teacher's top-k (token ids int32, logits float32) at every position of every sample."""
-    out: list[tuple[torch.Tensor, torch.Tensor]] = [None] * len(samples)  # type: ignore[list-item]
-    order = sorted(range(len(samples)), key=lambda i: len(samples[i].ids))
-    for start in range(0, len(order), batch_size):
-        idx = order[start:start + batch_size]
-        ids = _pad([samples[i].ids for i in idx])
-        logits = teacher(ids)
-        values, indices = logits.topk(k, dim=-1)
-        for row, i in enumerate(idx):
-            n = len(samples[i].ids)
-            out[i] = (indices[row, :n].to(torch.int32).clone(), values[row, :n].clone())
-        if on_batch:
-            on_batch(len(idx))
-    return out
+def teacher_targets(teacher: LlamaForTraining, data: TokenData, k: int, temperature: float = 1.0,
+                    batch_size: int = 4,
+                    on_batch: Callable[[int], None] | None = None) -> tuple[Targets | None, list[Targets]]:
+    """The teacher's :data:`Targets` at every position: once over the shared prefix, then each sample's tail."""
+    prefix_t, kv = None, None
+    if data.prefix:
+        logits, kv = teacher.forward_with_cache(torch.tensor([data.prefix]))
+        prefix_t = top_k_targets(logits[0], k, temperature)
+    out: list[Targets] = [None] * len(data.samples)  # type: ignore[list-item]
+    for shared in (True, False):
+        order = sorted((i for i, s in enumerate(data.samples) if s.shared == shared),
+                       key=lambda i: len(data.samples[i].ids))
+        for start in range(0, len(order), batch_size):
+            idx = order[start:start + batch_size]
+            tails = [data.tail(data.samples[i]) for i in idx]
+            indices, values = top_k_targets(teacher(_pad(tails), past=kv if shared else None), k, temperature)
+            for row, (i, tail) in enumerate(zip(idx, tails)):
+                out[i] = (indices[row, :len(tail)].clone(), values[row, :len(tail)].clone())
+            if on_batch:
+                on_batch(len(idx))
+    return prefix_t, out
 
 
 def _pad(seqs: list[list[int]], value: int = 0) -> torch.Tensor:
@@ -159,19 +222,33 @@ def sample_order(n: int, seed: int, position: int, count: int) -> list[int]:
 # ---------------------------------------------------------------- loss
 
 
-def distill_loss(student_logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, t_idx: torch.Tensor,
-                 t_val: torch.Tensor, temperature: float, alpha_ce: float) -> tuple[torch.Tensor, float, float]:
-    """KL(teacher_T || student_T) * T^2 over the teacher's top k, + alpha_ce * next-token cross-entropy.
+def token_losses(student_logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, t_idx: torch.Tensor,
+                 t_logp: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """Sums over real positions of KL(teacher_T || student_T) * T^2 (over the teacher's top k and the rest)
+    and of the next-token cross-entropy, with the position counts: (kl_sum, ce_sum, n_kl, n_ce).
 
-    Shapes: logits [B, T, V]; ids, mask [B, T]; t_idx, t_val [B, T, k]. Returns (loss, kl, ce).
+    Shapes: logits [B, T, V]; ids, mask [B, T]; t_idx [B, T, k]; t_logp [B, T, k + 1] (see :data:`Targets`).
     """
     m = mask.bool()
-    s = student_logits[m]  # [N, V]
-    log_ps = F.log_softmax(s / temperature, dim=-1).gather(-1, t_idx[m].long())  # [N, k]
-    log_pt = F.log_softmax(t_val[m] / temperature, dim=-1)
-    kl = (log_pt.exp() * (log_pt - log_ps)).sum(-1).mean() * temperature ** 2
+    idx = t_idx[m].long()
+    log_ps_all = F.log_softmax(student_logits[m].float() / temperature, dim=-1)  # [N, V]
+    log_ps, log_pt = log_ps_all.gather(-1, idx), t_logp[m]
+    if idx.shape[-1] < log_ps_all.shape[-1]:  # the rest bucket (empty when k covers the whole vocabulary)
+        rest = torch.logsumexp(log_ps_all.scatter(-1, idx, float("-inf")), dim=-1, keepdim=True)
+        log_ps = torch.cat([log_ps, rest], dim=-1)
+    else:
+        log_pt = log_pt[..., :-1]
+    kl = (log_pt.exp() * (log_pt - log_ps)).sum() * temperature ** 2
     ce_mask = m[:, :-1] & m[:, 1:]
-    ce = F.cross_entropy(student_logits[:, :-1][ce_mask], ids[:, 1:][ce_mask]) if ce_mask.any() else s.sum() * 0
+    ce = F.cross_entropy(student_logits[:, :-1][ce_mask].float(), ids[:, 1:][ce_mask], reduction="sum")
+    return kl, ce, int(m.sum()), int(ce_mask.sum())
+
+
+def distill_loss(student_logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, t_idx: torch.Tensor,
+                 t_logp: torch.Tensor, temperature: float, alpha_ce: float) -> tuple[torch.Tensor, float, float]:
+    """Mean KL (times T^2, teacher's top k) + ``alpha_ce`` x mean next-token cross-entropy: (loss, kl, ce)."""
+    kl, ce, n_kl, n_ce = token_losses(student_logits, ids, mask, t_idx, t_logp, temperature)
+    kl, ce = kl / max(n_kl, 1), ce / max(n_ce, 1)
     return kl + alpha_ce * ce, float(kl.detach()), float(ce.detach())
 
 
@@ -239,18 +316,59 @@ def prepare_corpus(cfg: DistillConfig, tokenizer_meta: dict[str, Any],
     return train, held_out
 
 
-def evaluate(student: LlamaForTraining, samples: list[TokenSample],
-             targets: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
+def evaluate(student: LlamaForTraining, data: TokenData, prefix_t: Targets | None,
+             targets: list[Targets]) -> dict[str, Any]:
     """Teacher-forced top-1 agreement with the teacher (its top-1 is the first of its stored top-k)."""
-    if not samples:
+    if not data.samples:
         return {}
     student.eval()
-    ours = torch_top1(student, [s.ids for s in samples])
-    theirs = [idx[:, 0].numpy().astype(ours[0].dtype) for idx, _ in targets]
-    answers = agreement(ours, theirs, [s.answer_start for s in samples])
-    everything = agreement(ours, theirs)
+    ours = torch_top1(student, [s.ids for s in data.samples])
+    theirs = [torch.cat([prefix_t[0], idx]) if s.shared and prefix_t is not None else idx
+              for s, (idx, _) in zip(data.samples, targets)]
+    theirs_np = [t[:, 0].numpy().astype(ours[0].dtype) for t in theirs]
+    answers = agreement(ours, theirs_np, [s.answer_start for s in data.samples])
+    everything = agreement(ours, theirs_np)
     return {"answer_top1_agreement": answers.rate, "answer_positions": answers.positions,
-            "all_top1_agreement": everything.rate, "all_positions": everything.positions, "samples": len(samples)}
+            "all_top1_agreement": everything.rate, "all_positions": everything.positions,
+            "samples": len(data.samples)}
+
+
+def step_loss(student: LlamaForTraining, data: TokenData, batch: list[int], prefix_t: Targets | None,
+              targets: list[Targets], cfg: DistillConfig) -> tuple[torch.Tensor, float, float, int]:
+    """One batch's loss: the shared prefix once (counted as one sample), then every sample's tail after it.
+
+    Returns (loss, mean kl, mean ce, positions trained on).
+    """
+    kl_sum = ce_sum = torch.zeros(())
+    n_kl = n_ce = 0
+    shared = [i for i in batch if data.samples[i].shared]
+    plain = [i for i in batch if not data.samples[i].shared]
+    for group, past in ((shared, True), (plain, False)):
+        if not group:
+            continue
+        kv = None
+        if past:
+            logits, kv = student.forward_with_cache(torch.tensor([data.prefix]))
+            p = len(data.prefix)
+            kl, ce, nk, nc = token_losses(logits, torch.tensor([data.prefix]), torch.ones(1, p), prefix_t[0][None],
+                                          prefix_t[1][None], cfg.temperature)
+            mean_tail = sum(len(data.tail(data.samples[i])) for i in group) / len(group)
+            weight = mean_tail / p  # the prefix is one sample's worth of loss, not 1,200 positions' worth
+            kl_sum, ce_sum = kl_sum + kl * weight, ce_sum + ce * weight
+            n_kl, n_ce = n_kl + round(nk * weight), n_ce + round(nc * weight)
+        tails = [data.tail(data.samples[i]) for i in group]
+        ids, mask = _pad(tails), _pad([[1] * len(t) for t in tails])
+        t_idx = torch.zeros(*ids.shape, cfg.top_k, dtype=torch.int32)
+        t_val = torch.zeros(*ids.shape, cfg.top_k + 1, dtype=torch.float32)
+        for row, i in enumerate(group):
+            n = len(tails[row])
+            t_idx[row, :n], t_val[row, :n] = targets[i]
+        logits = student(ids, past=kv)
+        kl, ce, nk, nc = token_losses(logits, ids, mask, t_idx, t_val, cfg.temperature)
+        kl_sum, ce_sum, n_kl, n_ce = kl_sum + kl, ce_sum + ce, n_kl + nk, n_ce + nc
+    kl_mean, ce_mean = kl_sum / max(n_kl, 1), ce_sum / max(n_ce, 1)
+    tokens = sum(len(data.tail(data.samples[i])) for i in batch) + (len(data.prefix) if shared else 0)
+    return kl_mean + cfg.alpha_ce * ce_mean, float(kl_mean.detach()), float(ce_mean.detach()), tokens
 
 
 def distill(cfg: DistillConfig, *, resume: bool = True, progress: bool = True,
@@ -273,13 +391,17 @@ def distill(cfg: DistillConfig, *, resume: bool = True, progress: bool = True,
     train_samples, held_out = prepare_corpus(cfg, tok_meta, log)
     tok = Tokenizer.from_gguf_metadata(tok_meta)
     train = tokenize(tok, train_samples, cfg.seq_len)
-    evals = tokenize(tok, held_out, cfg.seq_len)
+    evals = tokenize(tok, held_out, cfg.seq_len, prefix=train.prefix)
+    log(f"{len(train.samples)} training samples, {sum(len(train.tail(s)) for s in train.samples)} tokens "
+        f"after a shared {len(train.prefix)}-token prompt prefix; {len(evals.samples)} held-out")
 
     targets_path = cfg.out / "targets.pt"
-    key = _fingerprint(str(cfg.teacher), cfg.top_k, [s.ids for s in train], [s.ids for s in evals])
+    key = _fingerprint(str(cfg.teacher), cfg.top_k, cfg.temperature, train.prefix, [s.ids for s in train.samples],
+                       evals.prefix, [s.ids for s in evals.samples])
     cached = torch.load(targets_path, weights_only=False) if targets_path.exists() else None
+    fresh = cached is not None and cached.get("key") == key
     teacher: LlamaForTraining | None = None
-    if cached is None or cached.get("key") != key or state is None:  # a resumed run with targets needs no teacher
+    if not fresh or state is None:  # a resumed run with its targets needs no teacher at all
         log(f"loading teacher {cfg.teacher}")
         teacher, _ = load_model(cfg.teacher)
         teacher_config = teacher.config
@@ -289,21 +411,23 @@ def distill(cfg: DistillConfig, *, resume: bool = True, progress: bool = True,
     if state is not None and state["config"]["layers_used"] != layers:
         raise DistillError(f"{ckpt_path} is for teacher layers {state['config']['layers_used']}, not {layers}; "
                            "use another --out or --no-resume")
-    if cached is not None and cached.get("key") == key:
-        train_t, eval_t = cached["train"], cached["eval"]
+    if fresh:
+        prefix_t, train_t, eval_prefix_t, eval_t = cached["prefix"], cached["train"], cached["eval_prefix"], cached["eval"]
     else:
         assert teacher is not None
-        log(f"teacher targets: top-{cfg.top_k} over {sum(len(s.ids) for s in train + evals)} tokens")
+        total = len(train.samples) + len(evals.samples)
+        log(f"teacher targets: top-{cfg.top_k} over {len(train.prefix)} prefix + "
+            f"{sum(len(d.tail(s)) for d in (train, evals) for s in d.samples)} tokens")
         done = [0]
-        total = len(train) + len(evals)
 
         def tick(n: int) -> None:
             done[0] += n
             if done[0] % 40 < n or done[0] == total:
                 log(f"teacher targets {done[0]}/{total} samples ({time.perf_counter() - t_start:.0f} s)")
-        train_t = teacher_targets(teacher, train, cfg.top_k, on_batch=tick)
-        eval_t = teacher_targets(teacher, evals, cfg.top_k, on_batch=tick)
-        _atomic_save({"key": key, "train": train_t, "eval": eval_t}, targets_path)
+        prefix_t, train_t = teacher_targets(teacher, train, cfg.top_k, cfg.temperature, on_batch=tick)
+        eval_prefix_t, eval_t = teacher_targets(teacher, evals, cfg.top_k, cfg.temperature, on_batch=tick)
+        _atomic_save({"key": key, "prefix": prefix_t, "train": train_t, "eval_prefix": eval_prefix_t,
+                      "eval": eval_t}, targets_path)
 
     if teacher is not None:
         student = student_from_teacher(Checkpoint(config=teacher.config, weights=dict(teacher.state_dict()),
@@ -320,7 +444,7 @@ def distill(cfg: DistillConfig, *, resume: bool = True, progress: bool = True,
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     step = 0
     if state is None:
-        report.eval["before"] = evaluate(student, evals, eval_t)
+        report.eval["before"] = evaluate(student, evals, eval_prefix_t, eval_t)
     else:
         student.load_state_dict(state["student"])
         optimizer.load_state_dict(state["optimizer"])
@@ -345,27 +469,17 @@ def distill(cfg: DistillConfig, *, resume: bool = True, progress: bool = True,
             while step < cfg.steps:
                 t0 = time.perf_counter()
                 student.train()
-                batch = sample_order(len(train), cfg.seed, step * cfg.batch_size, cfg.batch_size)
-                ids = _pad([train[i].ids for i in batch])
-                mask = _pad([[1] * len(train[i].ids) for i in batch])
-                k = cfg.top_k
-                t_idx = torch.zeros(*ids.shape, k, dtype=torch.int32)
-                t_val = torch.zeros(*ids.shape, k, dtype=torch.float32)
-                for row, i in enumerate(batch):
-                    n = len(train[i].ids)
-                    t_idx[row, :n], t_val[row, :n] = train_t[i]
+                batch = sample_order(len(train.samples), cfg.seed, step * cfg.batch_size, cfg.batch_size)
                 for group in optimizer.param_groups:
                     group["lr"] = lr_at(step, cfg)
                 with autocast:
-                    logits = student(ids)
-                loss, kl, ce = distill_loss(logits, ids, mask, t_idx, t_val, cfg.temperature, cfg.alpha_ce)
+                    loss, kl, ce, tokens = step_loss(student, train, batch, prefix_t, train_t, cfg)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 optimizer.step()
-                del logits, loss
+                del loss
                 step += 1
-                tokens = int(mask.sum())
                 report.train_tokens += tokens
                 report.losses.append(round(kl + cfg.alpha_ce * ce, 5))
                 report.kl.append(round(kl, 5))
@@ -381,7 +495,7 @@ def distill(cfg: DistillConfig, *, resume: bool = True, progress: bool = True,
             log(f"interrupted: checkpoint at step {step} in {ckpt_path}; run again to resume")
             raise
 
-    report.eval["after"] = evaluate(student, evals, eval_t)
+    report.eval["after"] = evaluate(student, evals, eval_prefix_t, eval_t)
     save_hf_folder(student, tok_meta, report.model_dir,
                    extra_config={"apiary_distill": {"teacher": str(cfg.teacher), "teacher_layers": layers,
                                                     "steps": step, "train_tokens": report.train_tokens}})

@@ -190,7 +190,7 @@ def eval_sequences(folder: str | Path, corpus_path: str | Path | None = None, n:
     else:
         texts = [tok.apply_chat_template(m) for m, _ in corpus.sensor_situations(max(1, n // 2), seed=4242)]
         texts += [s.text for s in corpus.general_samples()[: max(1, n - len(texts))]]
-    return [tok.encode(t)[:1024] for t in texts]
+    return [tok.encode(t)[:2048] for t in texts]
 
 
 def quantize(folder: str | Path, out: str | Path, qtype: str = "q4_0", *, corpus_path: str | Path | None = None,

@@ -23,6 +23,7 @@ from cloud.engine.config import ModelConfig
 from cloud.engine.loader import Checkpoint, load_checkpoint
 from cloud.engine.model import rope_inv_freq
 
+KV = tuple[torch.Tensor, torch.Tensor]  # one layer's keys and values, [batch, kv_heads, tokens, head_dim]
 TOKENIZER_META_FILE = "tokenizer_gguf.json"  # the teacher GGUF's tokenizer.* metadata, for the GGUF export
 
 
@@ -46,18 +47,27 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                past: KV | None = None) -> tuple[torch.Tensor, KV]:
+        """Attend over ``past`` (a shared prefix's K/V, batch 1 or b) and the new tokens, causally."""
         b, t, _ = x.shape
         c = self.c
         q = self.q_proj(x).view(b, t, c.num_heads, c.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        mask = None
+        if past is not None:
+            p = past[0].shape[2]
+            k = torch.cat((past[0].expand(b, -1, -1, -1).to(k.dtype), k), dim=2)
+            v = torch.cat((past[1].expand(b, -1, -1, -1).to(v.dtype), v), dim=2)
+            mask = torch.ones(t, p + t, dtype=torch.bool, device=x.device).tril(diagonal=p)
+        kv = (k, v)
         rep = c.num_heads // c.num_kv_heads
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), kv
 
 
 class MLP(nn.Module):
@@ -79,9 +89,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                past: KV | None = None) -> tuple[torch.Tensor, KV]:
+        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, past)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), kv
 
 
 class Backbone(nn.Module):
@@ -100,7 +112,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LlamaForTraining(nn.Module):
-    """``forward(input_ids [B, T]) -> logits [B, T, vocab]`` (float32), causal over each row."""
+    """``forward(input_ids [B, T], past=None) -> logits [B, T, vocab]`` (float32), causal over each row."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -112,17 +124,28 @@ class LlamaForTraining(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
-        t = input_ids.shape[1]
-        freqs = torch.arange(t, device=input_ids.device, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+    def hidden(self, input_ids: torch.Tensor, past: list[KV] | None = None) -> tuple[torch.Tensor, list[KV]]:
+        """Final-normed hidden states of ``input_ids`` (placed after ``past``), and every layer's K/V so far."""
+        start = past[0][0].shape[2] if past else 0
+        pos = torch.arange(start, start + input_ids.shape[1], device=input_ids.device, dtype=torch.float32)
+        freqs = pos[:, None] * self.inv_freq[None, :]
         cos, sin = freqs.cos(), freqs.sin()
         x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin)
-        return self.model.norm(x)
+        kvs: list[KV] = []
+        for i, layer in enumerate(self.model.layers):
+            x, kv = layer(x, cos, sin, past[i] if past else None)
+            kvs.append(kv)
+        return self.model.norm(x), kvs
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.hidden(input_ids), self.head_weight()).float()
+    def forward(self, input_ids: torch.Tensor, past: list[KV] | None = None) -> torch.Tensor:
+        return self.forward_with_cache(input_ids, past)[0]
+
+    def forward_with_cache(self, input_ids: torch.Tensor,
+                           past: list[KV] | None = None) -> tuple[torch.Tensor, list[KV]]:
+        """Logits (float32) and K/V. A prefix shared by a batch runs once at batch 1; its K/V is ``past``
+        for the batch of continuations (and gradients flow back through it)."""
+        h, kvs = self.hidden(input_ids, past)
+        return F.linear(h, self.head_weight()).float(), kvs
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -9,40 +9,52 @@ import torch
 import torch.nn.functional as F
 
 from deploy import corpus
-from deploy.distill import DistillConfig, DistillError, TokenSample, distill_loss, lr_at, sample_order, tokenize
+from deploy.distill import (DistillConfig, DistillError, TokenData, TokenSample, distill_loss, lr_at, sample_order,
+                            step_loss, teacher_targets, tokenize, top_k_targets)
 
 
-def test_kl_over_all_tokens_equals_torch_kl_div() -> None:
+@pytest.mark.parametrize("k", [3, 11])
+def test_top_k_kl_with_a_rest_bucket_is_exact(k: int) -> None:
+    """Over k tokens + "the rest" the KL equals the true KL of those k + 1 outcomes; with k = vocab, the full KL."""
     torch.manual_seed(0)
     s, t = torch.randn(2, 5, 11), torch.randn(2, 5, 11)
     ids, mask = torch.randint(0, 11, (2, 5)), torch.ones(2, 5, dtype=torch.long)
-    t_val, t_idx = t.topk(11, dim=-1)  # k = vocab: the exact KL
-    loss, kl, ce = distill_loss(s, ids, mask, t_idx.int(), t_val, temperature=2.0, alpha_ce=0.0)
-    expected = F.kl_div(F.log_softmax(s / 2, -1).flatten(0, 1), F.log_softmax(t / 2, -1).flatten(0, 1),
+    t_idx, t_logp = top_k_targets(t, k, temperature=2.0)
+    loss, kl, ce = distill_loss(s, ids, mask, t_idx, t_logp, temperature=2.0, alpha_ce=0.0)
+
+    def bucketed(logits: torch.Tensor) -> torch.Tensor:  # probabilities of the teacher's top k, then the rest
+        p = F.softmax(logits / 2, -1)
+        top = p.gather(-1, t_idx.long())
+        return torch.cat([top, 1 - top.sum(-1, keepdim=True)], -1).clamp_min(1e-12)
+    pt, ps = bucketed(t), bucketed(s)
+    expected = (pt * (pt.log() - ps.log())).sum(-1).mean() * 4
+    assert kl == pytest.approx(float(expected), rel=1e-4, abs=1e-6) and float(loss) == pytest.approx(kl, rel=1e-6)
+    if k == 11:
+        full = F.kl_div(F.log_softmax(s / 2, -1).flatten(0, 1), F.log_softmax(t / 2, -1).flatten(0, 1),
                         log_target=True, reduction="batchmean") * 4
-    assert kl == pytest.approx(float(expected), rel=1e-5) and float(loss) == pytest.approx(kl, rel=1e-6)
+        assert kl == pytest.approx(float(full), rel=1e-4)
     assert ce == pytest.approx(float(F.cross_entropy(s[:, :-1].flatten(0, 1), ids[:, 1:].flatten())), rel=1e-5)
 
 
 def test_loss_is_zero_when_the_student_is_the_teacher_and_ignores_padding() -> None:
     torch.manual_seed(1)
     t = torch.randn(1, 6, 50)
-    t_val, t_idx = t.topk(50, dim=-1)
+    t_idx, t_logp = top_k_targets(t, 4, temperature=1.0)
     mask = torch.tensor([[1, 1, 1, 1, 0, 0]])
     garbage = t.clone()
     garbage[:, 4:] = 1e4  # padded positions: whatever is there must not count
-    _, kl, _ = distill_loss(garbage, torch.zeros(1, 6, dtype=torch.long), mask, t_idx.int(), t_val, 1.0, 0.0)
-    assert abs(kl) < 1e-5
+    _, kl, _ = distill_loss(garbage, torch.zeros(1, 6, dtype=torch.long), mask, t_idx, t_logp, 1.0, 0.0)
+    assert abs(kl) < 1e-5  # top 4 of 50 only, yet zero: the rest bucket makes the teacher itself optimal
 
 
-def test_top_k_kl_is_taken_on_the_teachers_top_tokens() -> None:
+def test_top_k_kl_punishes_the_wrong_token() -> None:
     logits = torch.full((1, 1, 100), -10.0)
     logits[..., 7] = 10.0
-    t_val, t_idx = logits.topk(4, dim=-1)
-    student_right, student_wrong = logits.clone(), logits.clone()
-    student_wrong[..., 7], student_wrong[..., 8] = -10.0, 10.0
-    args = (torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1), t_idx.int(), t_val, 1.0, 0.0)
-    assert distill_loss(student_right, *args)[1] < 1e-3 < 5 < distill_loss(student_wrong, *args)[1]
+    t_idx, t_logp = top_k_targets(logits, 4, temperature=1.0)
+    wrong = logits.clone()
+    wrong[..., 7], wrong[..., 8] = -10.0, 10.0
+    args = (torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1), t_idx, t_logp, 1.0, 0.0)
+    assert distill_loss(logits, *args)[1] < 1e-3 < 5 < distill_loss(wrong, *args)[1]
 
 
 def test_sample_order_is_a_resumable_stream_of_epochs() -> None:
@@ -79,13 +91,22 @@ def test_general_text_ships_and_is_cut_into_samples(teacher_tokenizer_meta: dict
     assert len(samples) >= 10 and sum(len(s.text) for s in samples) > 20_000
     assert all(s.kind == "general" and s.prompt == "" for s in samples)
     tok = Tokenizer.from_gguf_metadata(teacher_tokenizer_meta)
-    pieces = tokenize(tok, samples[:3], seq_len=64)
-    assert all(isinstance(p, TokenSample) and 8 < len(p.ids) <= 64 and p.answer_start == 0 for p in pieces)
-    assert len(pieces) > 3
-    sensor = corpus.Sample(kind="sensor", prompt="<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
-                           completion='{"assessment": "normal"}<|im_end|>\n')
-    [p] = tokenize(tok, [sensor], seq_len=512)
-    assert tok.decode(p.ids[p.answer_start + 1:], skip_special_tokens=False).startswith('{"assessment"')
+    data = tokenize(tok, samples[:3], seq_len=64)
+    assert data.prefix == [] and len(data.samples) > 3
+    assert all(isinstance(p, TokenSample) and 8 < len(p.ids) <= 64 and not p.shared for p in data.samples)
+
+    def sensor(user: str) -> corpus.Sample:
+        return corpus.Sample(kind="sensor", prompt=f"<|im_start|>system\nWatch the hives.<|im_end|>\n<|im_start|>user\n"
+                             f"{user}<|im_end|>\n<|im_start|>assistant\n", completion='{"assessment": "normal"}<|im_end|>\n')
+    data = tokenize(tok, [sensor("Hive 1 is warm"), sensor("Hive 2 is light"), samples[0]], seq_len=4096)
+    assert tok.decode(data.prefix, skip_special_tokens=False) == "<|im_start|>system\nWatch the hives.<|im_end|>\n" \
+                                                                 "<|im_start|>user\nHive "
+    first = data.samples[0]
+    assert first.shared and not data.samples[-1].shared and data.tail(first) == first.ids[len(data.prefix):]
+    assert tok.decode(first.ids[first.answer_start + 1:], skip_special_tokens=False).startswith('{"assessment"')
+    held_out = tokenize(tok, [sensor("Hive 9 is loud")], seq_len=4096, prefix=data.prefix)
+    assert held_out.prefix == data.prefix and held_out.samples[0].shared
+    assert tokenize(tok, [sensor("x")], seq_len=4096).prefix == []  # one sample: nothing to share
 
 
 def test_corpus_file_recovers_from_a_cut_record_and_rejects_garbage(tmp_path: Path) -> None:
@@ -115,3 +136,40 @@ def test_sensor_situations_use_the_shared_prompt() -> None:
     held_out = corpus.sensor_situations(6, seed=1 + corpus.HELD_OUT_SEED_OFFSET)
     overlap = {m[1]["content"] for m, _ in held_out} & {m[1]["content"] for m, _ in situations}
     assert len(overlap) <= 1  # other hives; an identical rounded report is possible, a shared set is not
+
+
+def test_teacher_targets_over_a_shared_prefix_equal_the_full_sequences() -> None:
+    from tests.deploy.conftest import tiny_model
+
+    teacher = tiny_model(seed=2)
+    prefix = [5, 6, 7, 8, 9, 10]
+    samples = [TokenSample(prefix + [11, 12, 13], 7, shared=True), TokenSample(prefix + [20, 21], 7, shared=True),
+               TokenSample([30, 31, 32, 33], 0)]
+    data = TokenData(prefix=prefix, samples=samples)
+    prefix_t, tails = teacher_targets(teacher, data, k=5, temperature=2.0, batch_size=2)
+    with torch.no_grad():
+        for s, (idx, val) in zip(samples, tails):
+            full_idx, full_val = top_k_targets(teacher(torch.tensor([s.ids]))[0], 5, 2.0)
+            if s.shared:
+                assert torch.equal(prefix_t[0], full_idx[:len(prefix)])
+                assert torch.allclose(prefix_t[1], full_val[:len(prefix)], atol=1e-5)
+                full_val, full_idx = full_val[len(prefix):], full_idx[len(prefix):]
+            assert torch.equal(idx, full_idx) and torch.allclose(val, full_val, atol=1e-5)
+
+
+def test_step_loss_trains_on_tails_after_the_prefix_and_counts_the_prefix_once() -> None:
+    from tests.deploy.conftest import tiny_model
+
+    teacher, student = tiny_model(seed=2), tiny_model(seed=3)
+    prefix = list(range(100, 140))
+    samples = [TokenSample(prefix + [1, 2, 3, 4], 39, shared=True), TokenSample(prefix + [5, 6], 39, shared=True),
+               TokenSample([7, 8, 9, 10, 11], 0)]
+    data = TokenData(prefix=prefix, samples=samples)
+    prefix_t, tails = teacher_targets(teacher, data, k=8, temperature=1.0)
+    cfg = DistillConfig(teacher=Path(__file__), out=Path("unused"), top_k=8, temperature=1.0, alpha_ce=0.0)
+    loss, kl, _, tokens = step_loss(student, data, [0, 1, 2], prefix_t, tails, cfg)
+    assert tokens == 40 + 4 + 2 + 5 and kl > 0
+    loss.backward()
+    assert student.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+    _, kl_same, _, _ = step_loss(teacher, data, [0, 1, 2], prefix_t, tails, cfg)
+    assert kl_same < 1e-4  # the teacher matches itself on prefix, tails and plain samples alike

@@ -109,3 +109,19 @@ def test_config_json_has_the_hugging_face_keys(tmp_path: Path, teacher_tokenizer
     assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (4, 2, 16)
     assert cfg["note"] == 1 and cfg["eos_token_id"] == 2 and cfg["tie_word_embeddings"] is True
     assert tiny_config().hidden_size == cfg["hidden_size"]
+
+
+def test_a_shared_prefix_run_once_gives_the_same_logits_and_gradients() -> None:
+    model = tiny_model(seed=5)
+    prefix = torch.randint(0, 49152, (1, 9))
+    tails = torch.randint(0, 49152, (3, 6))
+    full = model(torch.cat([prefix.expand(3, -1), tails], dim=1))
+    p_logits, kv = model.forward_with_cache(prefix)
+    t_logits = model(tails, past=kv)
+    torch.testing.assert_close(p_logits.expand(3, -1, -1), full[:, :9], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(t_logits, full[:, 9:], atol=1e-5, rtol=1e-5)
+    # Gradients through the prefix's K/V reach the same weights as the full batch would.
+    w = model.model.layers[0].self_attn.k_proj.weight
+    g_full = torch.autograd.grad(full[:, 9:].square().mean(), w)[0]
+    g_split = torch.autograd.grad(model(tails, past=model.forward_with_cache(prefix)[1]).square().mean(), w)[0]
+    torch.testing.assert_close(g_split, g_full, atol=1e-6, rtol=1e-4)
