@@ -26,6 +26,9 @@ def serve(
     api_key_file: Optional[str] = typer.Option(None, help="hashed API keys, JSON lines [.apiary/cloud-keys.jsonl]"),
     dtype: Optional[str] = typer.Option(None, help="auto | float32 | bfloat16"),
     worker_id: Optional[str] = typer.Option(None, help="this process's MQTT client id / worker name"),
+    speculative: Optional[str] = typer.Option(None, help="speculative decoding: off | ngram | draft [off]"),
+    draft_model: Optional[str] = typer.Option(None, help="draft checkpoint for --speculative draft "
+                                                         "[the model's first 8 layers]"),
     config: Optional[Path] = typer.Option(None, help="apiary TOML config ([cloud] section); also $APIARY_CONFIG"),
 ) -> None:
     """Run the engine, the MQTT escalation worker and the REST API in one process until Ctrl-C."""
@@ -40,7 +43,8 @@ def serve(
     configure()
     try:
         settings = load_settings(config, broker=broker, host=host, port=port, model=model, db=db, images=images,
-                                 api_key_file=api_key_file, dtype=dtype, worker_id=worker_id)
+                                 api_key_file=api_key_file, dtype=dtype, worker_id=worker_id,
+                                 speculative=speculative, draft_model=draft_model)
         service = CloudService(settings)
         info = service.start()
     except CloudError as e:

@@ -53,7 +53,8 @@ def build_engine(settings: CloudSettings):
             model_path=path, device=settings.device, dtype=settings.dtype,
             kv_cache_bytes=settings.kv_cache_mb << 20, max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens, max_waiting=settings.max_waiting,
-            max_model_len=settings.max_model_len, num_threads=settings.num_threads))
+            max_model_len=settings.max_model_len, num_threads=settings.num_threads,
+            speculative=settings.speculative_config()))
     except EngineError as e:
         raise CloudError(f"cannot load model {path}: {e}") from None
     return AsyncEngine(engine)

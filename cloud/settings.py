@@ -62,6 +62,12 @@ class CloudSettings(BaseModel):
     max_waiting: int = Field(default=256, ge=1)  # beyond this the API answers 429
     max_model_len: int | None = Field(default=None, ge=16)
     num_threads: int | None = Field(default=None, ge=1)
+    # speculative decoding (docs/speculative.md): off, ngram (prompt lookup, no model) or draft (a small model);
+    # outputs never change, only speed, and the engine switches it off by itself when it does not pay
+    speculative: Literal["off", "ngram", "draft"] = "off"
+    spec_k: int = Field(default=8, ge=1, le=32)  # most proposals per sequence and step
+    draft_model: str | None = None  # draft checkpoint path or registry name; None = the target cut to draft_layers
+    draft_layers: int | None = Field(default=None, ge=1)
 
     # storage
     db: str = ".apiary/cloud.db"
@@ -96,17 +102,31 @@ class CloudSettings(BaseModel):
             name = name.removesuffix(suffix)
         return name or "apiary"
 
-    def resolve_model_path(self) -> Path:
-        """A path the engine can load: existing paths as is, registry names pulled via shared.assets."""
-        path = Path(self.model).expanduser()
+    def speculative_config(self) -> Any:
+        """The engine's SpeculativeConfig for these settings (None when off)."""
+        if self.speculative == "off":
+            return None
+        from cloud.engine import SpeculativeConfig
+
+        if self.speculative == "ngram":
+            return SpeculativeConfig(method="ngram", k=self.spec_k)
+        layers = self.draft_layers if self.draft_model or self.draft_layers else 8
+        return SpeculativeConfig(method="draft", k=self.spec_k, draft_num_layers=layers,
+                                 draft_model_path=self.resolve_model_path(self.draft_model) if self.draft_model else None)
+
+    def resolve_model_path(self, name: str | None = None) -> Path:
+        """A path the engine can load (``name``, default: ``model``): existing paths as is, registry names
+        pulled via shared.assets."""
+        name = self.model if name is None else name
+        path = Path(name).expanduser()
         if path.exists():
             return path
         from shared import assets
 
         try:
-            return assets.ensure(self.model)
+            return assets.ensure(name)
         except assets.AssetError as e:
-            raise CloudError(f"model {self.model!r} is neither an existing path nor a usable registry name: {e}") from None
+            raise CloudError(f"model {name!r} is neither an existing path nor a usable registry name: {e}") from None
 
 
 def load_settings(path: str | Path | None = None, **explicit: Any) -> CloudSettings:

@@ -9,6 +9,7 @@ from cloud.engine.errors import EngineError, EngineOverloaded, RequestRejected
 from cloud.engine.llm_engine import LLMEngine
 from cloud.engine.outputs import RequestMetrics, RequestOutput
 from cloud.engine.sampling_params import SamplingParams
+from cloud.engine.spec.config import SpeculativeConfig
 
 __all__ = ["AsyncEngine", "EngineConfig", "EngineError", "EngineOverloaded", "LLMEngine", "ModelConfig",
-           "RequestMetrics", "RequestOutput", "RequestRejected", "SamplingParams"]
+           "RequestMetrics", "RequestOutput", "RequestRejected", "SamplingParams", "SpeculativeConfig"]

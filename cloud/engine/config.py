@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from cloud.engine.errors import EngineError
+from cloud.engine.spec.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -27,6 +28,7 @@ class EngineConfig:
     aging_steps: int = 256  # a waiting request gains one priority level per this many engine steps
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's default
     seed: int = 0  # for requests that sample without their own seed
+    speculative: SpeculativeConfig | None = None  # None: plain decoding (see docs/speculative.md)
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_waiting", "aging_steps")
@@ -40,6 +42,8 @@ class EngineConfig:
             raise EngineError(f"EngineConfig.preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise EngineError(f"EngineConfig.kv_cache_bytes must be > 0, got {self.kv_cache_bytes!r}")
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise EngineError(f"EngineConfig.speculative must be a SpeculativeConfig, got {self.speculative!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise EngineError(f"EngineConfig.max_model_len must be >= 2, got {self.max_model_len!r}")
 

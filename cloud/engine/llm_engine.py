@@ -16,13 +16,15 @@ from cloud.engine import detokenizer
 from cloud.engine.block_manager import BlockManager
 from cloud.engine.config import EngineConfig
 from cloud.engine.errors import EngineError, EngineOverloaded, RequestRejected
-from cloud.engine.loader import load_checkpoint
+from cloud.engine.loader import Checkpoint, load_checkpoint
 from cloud.engine.metrics import EngineStats
 from cloud.engine.model_runner import ModelRunner
 from cloud.engine.outputs import RequestMetrics, RequestOutput
 from cloud.engine.sampling_params import SamplingParams
 from cloud.engine.scheduler import Scheduler
 from cloud.engine.sequence import Sequence, SequenceStatus
+from cloud.engine.spec.draft import DraftProposer, parameter_count
+from cloud.engine.spec.speculator import Speculator
 from cloud.engine.tokenizer import load_tokenizer
 
 
@@ -36,6 +38,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(Path(config.model_path).expanduser(), checkpoint.metadata or None)
         self.max_model_len = min(config.max_model_len or checkpoint.config.max_position, checkpoint.config.max_position)
         self.runner = ModelRunner(config, checkpoint, self.max_model_len)
+        self.speculator = self._speculator(config, checkpoint) if config.speculative is not None else None
         del checkpoint  # the float32 copy; the model holds its own (possibly bf16) weights
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, config.swap_space_bytes // self.runner.bytes_per_block)
@@ -43,6 +46,23 @@ class LLMEngine:
         self.stats = EngineStats()
         self._arrivals = itertools.count()
         self._pending: list[RequestOutput] = []  # produced outside step() (aborts) or held back by generate()
+        self._finished: dict[str, Sequence] = {}  # finished during this step (the speculator forgets them after)
+
+    def _speculator(self, config: EngineConfig, checkpoint: Checkpoint) -> Speculator:
+        """The speculative decoder; a draft model gets as many KV blocks as the target (it never runs out first)."""
+        spec = config.speculative
+        assert spec is not None
+        if spec.method != "draft":
+            return Speculator(spec)
+        runner = self.runner
+        draft = DraftProposer.load(checkpoint, spec.draft_model_path, spec.draft_num_layers, device=runner.device,
+                                   dtype=runner.dtype, max_positions=self.max_model_len, num_blocks=runner.num_blocks,
+                                   block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching)
+        share = parameter_count(draft.model) / parameter_count(runner.model)
+        return Speculator(spec, draft, draft_step_cost=min(share, 0.9))
+
+    def _generator_of(self, seq: Sequence) -> torch.Generator:
+        return seq.generator or self.runner.generator
 
     # ------------------------------------------------------------ requests
 
@@ -109,6 +129,8 @@ class LLMEngine:
             return False
         self.scheduler.remove(seq)
         self._finish(seq, "abort")
+        if self.speculator is not None:
+            self.speculator.release(seq)
         self._pending.append(self._output(seq, [], ""))
         return True
 
@@ -128,41 +150,79 @@ class LLMEngine:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
                 self.stats.record_admission(seq)
-        sampled = self.runner.execute(batch)
+        spec = self.speculator
+        plan = None
+        if spec is not None:
+            for seq in batch.preempted:
+                spec.preempted(seq)
+            if batch.seqs:
+                plan = spec.extend_batch(batch, self.block_manager, self.max_model_len,
+                                         self.config.max_num_batched_tokens, self._generator_of)
+        started = time.perf_counter()
+        sampled, spec_logits = self.runner.execute(batch, plan.seqs if plan else [])
+        verdicts = spec.verify(plan, spec_logits, [self._generator_of(s) for s in plan.seqs]) if plan else []
+        if spec is not None and batch.seqs and all(n == 1 or s in batch.spec_tokens
+                                                   for s, n in zip(batch.seqs, batch.num_new_tokens)):
+            spec.observe_step(batch.num_tokens, time.perf_counter() - started)  # decode-only steps teach the policy
         now = time.monotonic()
         self.stats.steps += 1
         self.stats.computed_tokens += batch.num_tokens
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-            self.block_manager.commit(seq)
+            if seq not in batch.spec_tokens:
+                seq.num_computed_tokens += n
+                self.block_manager.commit(seq)
         for seq, token in sampled.items():
-            outputs.append(self._append_token(seq, token, now))
+            outputs.append(self._append_tokens(seq, [token], now)[0])
+        if plan:
+            emitted = []
+            for seq, verdict in zip(plan.seqs, verdicts):
+                # Valid K/V: the last real token and the accepted drafts; blocks holding only rejected ones go.
+                valid = seq.num_computed_tokens + 1 + verdict.num_accepted
+                self.block_manager.truncate(seq, valid)
+                seq.num_computed_tokens = valid
+                out, n = self._append_tokens(seq, verdict.tokens, now)
+                if not seq.finished:
+                    self.block_manager.commit(seq)
+                outputs.append(out)
+                emitted.append(n)
+            spec.record(plan, verdicts, emitted)
+        if spec is not None:
+            for seq in self._finished.values():
+                spec.release(seq)
+        self._finished.clear()
         self.stats.record_kv(self.scheduler.running, self.block_manager.num_blocks - self.block_manager.num_free_blocks,
                              self.config.block_size, self.max_model_len)
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int, now: float) -> RequestOutput:
-        seq.token_ids.append(token)
-        self.stats.generated_tokens += 1
-        if seq.metrics.first_token_time is None:
-            seq.metrics.first_token_time = now
+    def _append_tokens(self, seq: Sequence, tokens: list[int], now: float) -> tuple[RequestOutput, int]:
+        """Append generated ``tokens`` one by one until one finishes the request; (its output, tokens kept)."""
         params = seq.params
         reason = None
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.tokenizer.stop_token_ids):
-            reason = "stop"
-            detokenizer.update_text(self.tokenizer, seq, final=True, end=seq.num_tokens - 1)  # stop token not shown
-        else:
-            searched_from = len(seq.text)
-            if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-                reason = "length"
-            detokenizer.update_text(self.tokenizer, seq, final=reason is not None)
-            if params.stop and detokenizer.find_stop(seq, searched_from):
+        kept = 0
+        for token in tokens:
+            seq.token_ids.append(token)
+            kept += 1
+            self.stats.generated_tokens += 1
+            if seq.metrics.first_token_time is None:
+                seq.metrics.first_token_time = now
+            if token in params.stop_token_ids or (not params.ignore_eos and token in self.tokenizer.stop_token_ids):
                 reason = "stop"
+                detokenizer.update_text(self.tokenizer, seq, final=True, end=seq.num_tokens - 1)  # stop token not shown
+            else:
+                searched_from = len(seq.text)
+                if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+                    reason = "length"
+                detokenizer.update_text(self.tokenizer, seq, final=reason is not None)
+                if params.stop and detokenizer.find_stop(seq, searched_from):
+                    reason = "stop"
+            if reason is not None:
+                break
         if reason is not None:
             self.requests.pop(seq.request_id, None)
             self.scheduler.remove(seq)
             self._finish(seq, reason, now)
-        return self._output(seq, [token], detokenizer.release(seq, final=reason is not None))
+            self._finished[seq.request_id] = seq
+        return self._output(seq, tokens[:kept], detokenizer.release(seq, final=reason is not None)), kept
 
     def _finish(self, seq: Sequence, reason: str, now: float | None = None) -> None:
         seq.status = SequenceStatus.FINISHED
@@ -221,4 +281,5 @@ class LLMEngine:
             "kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_blocks - bm.num_free_blocks,
             "kv_blocks_free": bm.num_free_blocks, "kv_blocks_cached_free": len(bm.evictable),
             "preemptions": self.scheduler.num_preemptions,
+            **(self.speculator.metrics() if self.speculator is not None else {}),
         }

@@ -1,6 +1,8 @@
 """Runs a scheduled batch: builds the step's tensors once, calls the model, samples; owns the KV pool."""
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 
@@ -63,6 +65,8 @@ class ModelRunner:
         input_ids: list[int] = []
         for s, st, n in zip(seqs, starts.tolist(), counts.tolist()):
             input_ids.extend(s.token_ids[st:st + n])
+            if s in batch.spec_tokens:  # verification: the last real token, then the draft tokens
+                input_ids.extend(batch.spec_tokens[s])
         cu = np.zeros(len(seqs) + 1, dtype=np.int64)
         np.cumsum(counts, out=cu[1:])
         owner = np.repeat(np.arange(len(seqs)), counts)
@@ -95,21 +99,28 @@ class ModelRunner:
         return t(np.asarray(input_ids, dtype=np.int64)), t(positions), meta, last_rows
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> dict[Sequence, int]:
-        """Run ``batch``; return the sampled next token of every sequence whose known tokens are now all computed."""
+    def execute(self, batch: ScheduledBatch, verify: list[Sequence] = ()) -> tuple[dict[Sequence, int], torch.Tensor | None]:
+        """Run ``batch``; return the sampled next token of every sequence whose known tokens are now all
+        computed, and for the speculating sequences ``verify`` (in that order) the logits of all their
+        positions, last real token and draft tokens (``[sum(k_i + 1), vocab]``; None if there are none)."""
         for seq, blocks in batch.swap_out:
             self.swap_out(seq, blocks)
         for seq, blocks in batch.swap_in:
             self.swap_in(seq, blocks)
         if not batch.seqs:
-            return {}
+            return {}, None
         input_ids, positions, meta, last_rows = self.prepare(batch)
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
         sampled = [s for s, row in zip(batch.seqs, last_rows) if row >= 0]
+        spec_logits = None
+        if verify:
+            end = {s: row for s, row in zip(batch.seqs, itertools.accumulate(batch.num_new_tokens))}
+            rows = [r for s in verify for r in range(end[s] - 1 - len(batch.spec_tokens[s]), end[s])]
+            spec_logits = self.model.logits(hidden[rows]).float()
         if not sampled:
-            return {}
+            return {}, spec_logits
         logits = self.model.logits(hidden[[row for row in last_rows if row >= 0]])
-        return dict(zip(sampled, sample(logits, sampled, self.generator)))
+        return dict(zip(sampled, sample(logits, sampled, self.generator))), spec_logits
 
     @torch.inference_mode()
     def forward_logits(self, batch: ScheduledBatch) -> torch.Tensor:

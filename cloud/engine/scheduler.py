@@ -32,6 +32,8 @@ class ScheduledBatch:
     preempted: list[Sequence] = field(default_factory=list)
     swap_out: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # copy these blocks to host first
     swap_in: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # then copy host K/V into these
+    # Speculative verification: these decoding sequences run their last token plus these draft tokens.
+    spec_tokens: dict[Sequence, list[int]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

@@ -34,3 +34,21 @@ def test_model_name_and_resolution(tmp_path):
     assert load_settings(None, model=str(model), served_model_name="bees").model_name == "bees"
     with pytest.raises(CloudError, match="neither an existing path"):
         load_settings(None, model="no-such-model").resolve_model_path()
+
+
+def test_speculative_settings(tmp_path):
+    from cloud.engine import SpeculativeConfig
+
+    assert load_settings(None).speculative_config() is None  # off unless asked for
+    ngram = load_settings(None, speculative="ngram", spec_k=4).speculative_config()
+    assert isinstance(ngram, SpeculativeConfig) and ngram.method == "ngram" and ngram.k == 4
+    draft = load_settings(None, speculative="draft").speculative_config()
+    assert draft.method == "draft" and draft.draft_model_path is None and draft.draft_num_layers == 8
+    student = tmp_path / "student"
+    student.mkdir()
+    own = load_settings(None, speculative="draft", draft_model=str(student)).speculative_config()
+    assert own.draft_model_path == student and own.draft_num_layers is None  # a real draft runs whole
+    with pytest.raises(CloudError, match="speculative"):
+        load_settings(None, speculative="sometimes")
+    with pytest.raises(CloudError, match="neither an existing path"):
+        load_settings(None, speculative="draft", draft_model="no-such-draft").speculative_config()
