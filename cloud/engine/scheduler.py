@@ -1,7 +1,8 @@
 """Iteration-level scheduler: which sequences run this step, how many tokens each, and who is preempted.
 
 Every step spends a token budget: first one token for each decoding sequence (so a long prompt
-never stalls decodes), then prefill work - chunks of running prompts and newly admitted
+never stalls decodes; in a step that carries a prompt more urgent than some of them, those less
+urgent decodes sit the step out), then prefill work - chunks of running prompts and newly admitted
 requests - in order of urgency = (priority - aging boost, arrival). A step that carries an
 urgent prefill carries no less urgent prefill, so urgent requests see short steps. When KV
 blocks or sequence slots run out,
@@ -122,21 +123,37 @@ class Scheduler:
         scheduled[seq] = n
         return True
 
+    def _prefill_left(self, seq: Sequence) -> int:
+        """Prompt tokens ``seq`` still has to compute before its first output token (prefix-cache hits excluded)."""
+        cached = 0 if seq.status is SequenceStatus.RUNNING or seq.num_swapped_blocks else len(self.bm.cached_prefix(seq))
+        return seq.num_tokens - seq.num_computed_tokens - cached * self.bm.block_size
+
     def schedule(self) -> ScheduledBatch:
         batch, scheduled = ScheduledBatch(), {}
 
         def budget() -> int:
             return self.config.max_num_batched_tokens - sum(scheduled.values())
 
+        def line_now() -> list[Sequence]:
+            return sorted([s for s in self.running if s.num_uncomputed_tokens > 1] + self.waiting, key=_urgency)
+
+        line = line_now()
+        # The step that finishes a prompt more urgent than some decoding sequences is an urgent step:
+        # those less urgent decodes sit it out (one step), so the urgent request's first token comes
+        # about as fast as on an idle engine. Earlier chunks of a long urgent prompt keep decodes flowing.
+        urgent = None
+        if line and self._prefill_left(line[0]) <= self.config.max_num_batched_tokens:
+            urgent = line[0].urgency[0]
         # 1. Decodes: one token for every running sequence that has one to run, most urgent first.
         for seq in [s for s in self.running if s.num_uncomputed_tokens == 1]:
+            if urgent is not None and seq.urgency[0] > urgent:
+                continue
             if seq.status is SequenceStatus.RUNNING and budget() > 0:
                 self._grow(seq, 1, batch, scheduled)
         # 2. Prefill work (running chunks and waiting requests) in line order. Once a prefill of priority
         #    p is in the step, less urgent prefills wait a step: an urgent prompt's step stays short.
         level = None
-        line = sorted([s for s in self.running if s.num_uncomputed_tokens > 1] + self.waiting, key=_urgency)
-        for seq in line:
+        for seq in line_now():  # again: decodes may have preempted someone back into the line
             if budget() <= 0 or (level is not None and seq.urgency[0] > level):
                 break
             if seq.status is SequenceStatus.RUNNING:

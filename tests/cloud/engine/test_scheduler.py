@@ -52,17 +52,21 @@ def test_budget_respected_and_decodes_go_first() -> None:
     run_step(sched)  # prefill all three (9 tokens)
     long_prompt = make_seq(40, priority=-1)  # more urgent than the decoders, but only prefill
     sched.add(long_prompt)
-    seen_prefill = 0
+    chunks = []
     while long_prompt.num_computed_tokens < long_prompt.num_prompt_tokens:
+        last = long_prompt.num_prompt_tokens - long_prompt.num_computed_tokens <= 16
         batch = run_step(sched)
         assert batch.num_tokens <= 16
         counts = dict(zip(batch.seqs, batch.num_new_tokens))
-        assert all(counts.get(d) == 1 for d in decoders)  # decodes never stall behind the long prompt
-        seen_prefill += counts[long_prompt]
+        if last:  # the step that yields the urgent prompt's first token carries no less urgent decode
+            assert not any(d in counts for d in decoders)
+        else:  # earlier chunks: decodes never stall behind the long prompt
+            assert all(counts.get(d) == 1 for d in decoders)
+        chunks.append(counts[long_prompt])
         # Single-token entries (decodes) lead the batch, multi-token chunks follow.
         assert batch.num_new_tokens[:batch.num_decodes] == [1] * batch.num_decodes
         assert all(n > 1 for n in batch.num_new_tokens[batch.num_decodes:])
-    assert seen_prefill == 40  # chunks of 13 + 13 + 13 + 1
+    assert chunks == [13, 13, 14]  # beside 3 decodes, beside 3 decodes, alone
 
 
 def test_kv_exhaustion_preempts_least_urgent_latest_arrival() -> None:
@@ -219,10 +223,11 @@ def test_urgent_prompt_gets_a_short_step() -> None:
     sched.add(urgent)
     batch = run_step(sched)
     counts = dict(zip(batch.seqs, batch.num_new_tokens))
-    # The urgent prompt goes in whole, the decode keeps flowing, the less urgent chunk waits a step.
-    assert counts == {decoder: 1, urgent: 10}
+    # The urgent prompt goes in whole and alone: the less urgent decode and chunk sit this one step out.
+    assert counts == {urgent: 10}
     batch = run_step(sched)
-    assert dict(zip(batch.seqs, batch.num_new_tokens))[long_low] == 32 - 2  # back to full chunks
+    counts = dict(zip(batch.seqs, batch.num_new_tokens))
+    assert counts[decoder] == 1 and counts[long_low] == 32 - 2  # back to decodes + full chunks
 
 
 def test_aging_also_rescues_a_running_prefill_from_urgent_traffic() -> None:
