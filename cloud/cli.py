@@ -28,7 +28,7 @@ def serve(
     worker_id: Optional[str] = typer.Option(None, help="this process's MQTT client id / worker name"),
     speculative: Optional[str] = typer.Option(None, help="speculative decoding: off | ngram | draft [off]"),
     draft_model: Optional[str] = typer.Option(None, help="draft checkpoint for --speculative draft "
-                                                         "[the model's first 8 layers]"),
+                                                         "(e.g. a distilled student folder)"),
     config: Optional[Path] = typer.Option(None, help="apiary TOML config ([cloud] section); also $APIARY_CONFIG"),
 ) -> None:
     """Run the engine, the MQTT escalation worker and the REST API in one process until Ctrl-C."""

@@ -66,8 +66,8 @@ class CloudSettings(BaseModel):
     # outputs never change, only speed, and the engine switches it off by itself when it does not pay
     speculative: Literal["off", "ngram", "draft"] = "off"
     spec_k: int = Field(default=8, ge=1, le=32)  # most proposals per sequence and step
-    draft_model: str | None = None  # draft checkpoint path or registry name; None = the target cut to draft_layers
-    draft_layers: int | None = Field(default=None, ge=1)
+    draft_model: str | None = None  # draft checkpoint path or registry name (required for "draft")
+    draft_layers: int | None = Field(default=None, ge=1)  # use only the draft's first n layers
 
     # storage
     db: str = ".apiary/cloud.db"
@@ -110,9 +110,13 @@ class CloudSettings(BaseModel):
 
         if self.speculative == "ngram":
             return SpeculativeConfig(method="ngram", k=self.spec_k)
-        layers = self.draft_layers if self.draft_model or self.draft_layers else 8
-        return SpeculativeConfig(method="draft", k=self.spec_k, draft_num_layers=layers,
-                                 draft_model_path=self.resolve_model_path(self.draft_model) if self.draft_model else None)
+        if not self.draft_model:
+            # The model's own first layers are a valid draft but a useless one (0% acceptance measured):
+            # a draft has to be trained for the job (apiary distill).
+            raise CloudError("speculative = 'draft' needs draft_model: a same-tokenizer checkpoint such as a "
+                             "distilled student (apiary distill); or use speculative = 'ngram'")
+        return SpeculativeConfig(method="draft", k=self.spec_k, draft_num_layers=self.draft_layers,
+                                 draft_model_path=self.resolve_model_path(self.draft_model))
 
     def resolve_model_path(self, name: str | None = None) -> Path:
         """A path the engine can load (``name``, default: ``model``): existing paths as is, registry names

@@ -42,8 +42,8 @@ def test_speculative_settings(tmp_path):
     assert load_settings(None).speculative_config() is None  # off unless asked for
     ngram = load_settings(None, speculative="ngram", spec_k=4).speculative_config()
     assert isinstance(ngram, SpeculativeConfig) and ngram.method == "ngram" and ngram.k == 4
-    draft = load_settings(None, speculative="draft").speculative_config()
-    assert draft.method == "draft" and draft.draft_model_path is None and draft.draft_num_layers == 8
+    with pytest.raises(CloudError, match="needs draft_model"):
+        load_settings(None, speculative="draft").speculative_config()
     student = tmp_path / "student"
     student.mkdir()
     own = load_settings(None, speculative="draft", draft_model=str(student)).speculative_config()
