@@ -1,9 +1,10 @@
 """Plain-torch references for every kernel: the correctness oracle and the CPU production path.
 
 Everything is vectorised (no Python loop over tokens). Attention gathers the paged K/V of
-each sequence into a padded tensor and hands it to ``F.scaled_dot_product_attention`` with a
-boolean mask; grouped-query attention folds the query heads that share a KV head into the
-query-length axis, so K/V are never repeated. Inputs may be fp32/fp16/bf16; SDPA accumulates
+each sequence into a padded tensor; decode attention (one query per sequence) then runs as two
+batched matmuls, prefill attention through ``F.scaled_dot_product_attention`` with a boolean
+mask. Grouped-query attention folds the query heads that share a KV head into the query axis,
+so K/V are never repeated. Inputs may be fp32/fp16/bf16; SDPA accumulates
 in fp32 internally and the elementwise ops compute in fp32.
 
 Conventions (shared with the Triton kernels and the engine):

@@ -116,7 +116,7 @@ class ModelRunner:
         if verify:
             end = {s: row for s, row in zip(batch.seqs, itertools.accumulate(batch.num_new_tokens))}
             rows = [r for s in verify for r in range(end[s] - 1 - len(batch.spec_tokens[s]), end[s])]
-            spec_logits = self.model.logits(hidden[rows]).float()
+            spec_logits = self.model.logits(hidden[rows])
         if not sampled:
             return {}, spec_logits
         logits = self.model.logits(hidden[[row for row in last_rows if row >= 0]])
