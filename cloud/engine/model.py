@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -38,6 +39,33 @@ class AttentionMetadata:
     # length and cuts them into a few groups (measured ~30% less decode attention time at
     # batch 64 with mixed lengths); None = one call (CUDA kernels handle ragged lengths).
     decode_groups: list[tuple[int, int]] | None = None
+
+
+def paged_layout(starts: np.ndarray, counts: np.ndarray, block_tables: list[list[int]], block_size: int,
+                 num_decodes: int, device: torch.device,
+                 decode_groups: list[tuple[int, int]] | None = None) -> tuple[torch.Tensor, AttentionMetadata, np.ndarray]:
+    """Positions and attention metadata for entries of ``counts[i]`` new tokens starting at position ``starts[i]``
+    over ``block_tables[i]`` (single-token entries first); also the cumulative token offsets ``cu``."""
+    cu = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=cu[1:])
+    owner = np.repeat(np.arange(len(counts)), counts)
+    positions = starts[owner] + np.arange(cu[-1]) - cu[:-1][owner]
+    tables = np.zeros((len(block_tables), max(len(b) for b in block_tables)), dtype=np.int32)
+    for i, table in enumerate(block_tables):
+        tables[i, :len(table)] = table
+    slots = tables[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    context = (starts + counts).astype(np.int32)
+    nd = num_decodes
+
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+    meta = AttentionMetadata(
+        slot_mapping=t(slots), num_decode_tokens=nd,
+        decode_block_tables=t(tables[:nd]), decode_context_lens=t(context[:nd]),
+        prefill_block_tables=t(tables[nd:]), prefill_cu_seqlens_q=t((cu[nd:] - cu[nd]).astype(np.int32)),
+        prefill_context_lens=t(context[nd:]), decode_groups=decode_groups)
+    return t(positions), meta, cu
 
 
 @dataclass(slots=True)

@@ -9,7 +9,7 @@ import torch
 from cloud.engine.config import EngineConfig
 from cloud.engine.errors import EngineError
 from cloud.engine.loader import Checkpoint
-from cloud.engine.model import AttentionMetadata, LlamaModel
+from cloud.engine.model import AttentionMetadata, LlamaModel, paged_layout
 from cloud.engine.sampler import sample
 from cloud.engine.scheduler import ScheduledBatch
 from cloud.engine.sequence import Sequence
@@ -67,17 +67,7 @@ class ModelRunner:
             input_ids.extend(s.token_ids[st:st + n])
             if s in batch.spec_tokens:  # verification: the last real token, then the draft tokens
                 input_ids.extend(batch.spec_tokens[s])
-        cu = np.zeros(len(seqs) + 1, dtype=np.int64)
-        np.cumsum(counts, out=cu[1:])
-        owner = np.repeat(np.arange(len(seqs)), counts)
-        positions = starts[owner] + np.arange(cu[-1]) - cu[:-1][owner]
-        width = max(len(s.block_table) for s in seqs)
-        tables = np.zeros((len(seqs), width), dtype=np.int32)
-        for i, s in enumerate(seqs):
-            tables[i, :len(s.block_table)] = s.block_table
-        bs = self.block_size
-        slots = tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
-        context = (starts + counts).astype(np.int32)
+        context = starts + counts
         nd = batch.num_decodes
         groups = None
         if self.device.type == "cpu" and nd >= 2 * DECODE_GROUP_MIN and (np.diff(context[:nd]) >= 0).all():
@@ -85,18 +75,11 @@ class ModelRunner:
             k = min(DECODE_GROUPS, nd // DECODE_GROUP_MIN)
             edges = [round(i * nd / k) for i in range(k + 1)]
             groups = list(zip(edges, edges[1:]))
-        dev = self.device
-
-        def t(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(dev)
-
-        meta = AttentionMetadata(
-            slot_mapping=t(slots), num_decode_tokens=nd,
-            decode_block_tables=t(tables[:nd]), decode_context_lens=t(context[:nd]),
-            prefill_block_tables=t(tables[nd:]), prefill_cu_seqlens_q=t((cu[nd:] - cu[nd]).astype(np.int32)),
-            prefill_context_lens=t(context[nd:]), decode_groups=groups)
+        positions, meta, cu = paged_layout(starts, counts, [s.block_table for s in seqs], self.block_size, nd,
+                                           self.device, groups)
         last_rows = [int(cu[i + 1]) - 1 if context[i] == s.num_tokens else -1 for i, s in enumerate(seqs)]
-        return t(np.asarray(input_ids, dtype=np.int64)), t(positions), meta, last_rows
+        input_tensor = torch.from_numpy(np.asarray(input_ids, dtype=np.int64)).to(self.device)
+        return input_tensor, positions, meta, last_rows
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, verify: list[Sequence] = ()) -> tuple[dict[Sequence, int], torch.Tensor | None]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cloud.engine.model import AttentionMetadata
+from cloud.engine.model import AttentionMetadata, paged_layout
 
 
 @dataclass(slots=True)
@@ -34,28 +34,10 @@ def build_inputs(entries: list[Entry], block_size: int, device: torch.device) ->
     seqs = [entries[i] for i in order]
     counts = np.asarray([len(e.token_ids) for e in seqs], dtype=np.int64)
     starts = np.asarray([e.start for e in seqs], dtype=np.int64)
-    cu = np.zeros(len(seqs) + 1, dtype=np.int64)
-    np.cumsum(counts, out=cu[1:])
-    owner = np.repeat(np.arange(len(seqs)), counts)
-    positions = starts[owner] + np.arange(cu[-1]) - cu[:-1][owner]
-    width = max(len(e.block_table) for e in seqs)
-    tables = np.zeros((len(seqs), width), dtype=np.int32)
-    for i, e in enumerate(seqs):
-        tables[i, :len(e.block_table)] = e.block_table
-    slots = tables[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
-    context = (starts + counts).astype(np.int32)
-    nd = int((counts == 1).sum())
-
-    def t(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
-
-    meta = AttentionMetadata(
-        slot_mapping=t(slots), num_decode_tokens=nd,
-        decode_block_tables=t(tables[:nd]), decode_context_lens=t(context[:nd]),
-        prefill_block_tables=t(tables[nd:]), prefill_cu_seqlens_q=t((cu[nd:] - cu[nd]).astype(np.int32)),
-        prefill_context_lens=t(context[nd:]))
+    positions, meta, cu = paged_layout(starts, counts, [e.block_table for e in seqs], block_size,
+                                       int((counts == 1).sum()), device)
     last_rows = [0] * len(entries)
     for pos, i in enumerate(order):
         last_rows[i] = int(cu[pos + 1]) - 1
     input_ids = np.fromiter((tok for e in seqs for tok in e.token_ids), dtype=np.int64, count=int(cu[-1]))
-    return StepInputs(t(input_ids), t(positions), meta, last_rows)
+    return StepInputs(torch.from_numpy(input_ids).to(device), positions, meta, last_rows)
