@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from cloud.engine.config import ModelConfig
 from cloud.engine.errors import EngineError
+from cloud.engine.linear import Linear
 from kernels import ops
 
 
@@ -71,13 +72,15 @@ def paged_layout(starts: np.ndarray, counts: np.ndarray, block_tables: list[list
 @dataclass(slots=True)
 class DecoderLayer:
     input_norm: torch.Tensor
-    qkv_weight: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o_weight: torch.Tensor
-    o_bias: torch.Tensor | None
+    qkv: Linear
+    o_proj: Linear
     post_norm: torch.Tensor
-    gate_up_weight: torch.Tensor
-    down_weight: torch.Tensor
+    gate_up: Linear
+    down: Linear
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.input_norm, self.post_norm] + [t for lin in (self.qkv, self.o_proj, self.gate_up, self.down)
+                                                    for t in lin.tensors()]
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -130,6 +133,7 @@ class LlamaModel:
         if tuple(self.embed.shape) != (config.vocab_size, config.hidden_size):
             raise EngineError(f"embedding is {tuple(self.embed.shape)}, expected ({config.vocab_size}, {config.hidden_size})")
         self.lm_head = self.embed if config.tie_word_embeddings or "lm_head.weight" not in weights else w("lm_head.weight")
+        self.head = Linear.of(self.lm_head)
         self.norm = w("model.norm.weight")
         self.layers: list[DecoderLayer] = []
         for i in range(config.num_layers):
@@ -138,12 +142,12 @@ class LlamaModel:
             biases = [maybe(attn + f"{x}_proj.bias") for x in "qkv"]
             self.layers.append(DecoderLayer(
                 input_norm=w(p + "input_layernorm.weight"),
-                qkv_weight=cat(attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
-                qkv_bias=torch.cat(biases).contiguous() if all(b is not None for b in biases) else None,
-                o_weight=w(attn + "o_proj.weight"), o_bias=maybe(attn + "o_proj.bias"),
+                qkv=Linear.of(cat(attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
+                              torch.cat(biases).contiguous() if all(b is not None for b in biases) else None),
+                o_proj=Linear.of(w(attn + "o_proj.weight"), maybe(attn + "o_proj.bias")),
                 post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up_weight=cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                down_weight=w(p + "mlp.down_proj.weight"),
+                gate_up=Linear.of(cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
+                down=Linear.of(w(p + "mlp.down_proj.weight")),
             ))
         self.cos_sin = rope_cos_sin_cache(config, max_positions, device)
         c = config
@@ -173,17 +177,17 @@ class LlamaModel:
                 residual, h = x, ops.rms_norm(x, layer.input_norm, c.rms_norm_eps)
             else:
                 h, residual = ops.rms_norm(x, layer.input_norm, c.rms_norm_eps, residual)
-            q, k, v = F.linear(h, layer.qkv_weight, layer.qkv_bias).split(self.qkv_split, dim=-1)
+            q, k, v = layer.qkv(h).split(self.qkv_split, dim=-1)
             q, k = ops.apply_rotary(q.view(t, c.num_heads, c.head_dim), k.view(t, c.num_kv_heads, c.head_dim),
                                     positions, self.cos_sin)
             ops.write_kv(k, v.view(t, c.num_kv_heads, c.head_dim), k_cache, v_cache, meta.slot_mapping)
             attn = self._attention(q, k_cache, v_cache, meta)
-            x = F.linear(attn.reshape(t, -1), layer.o_weight, layer.o_bias)
+            x = layer.o_proj(attn.reshape(t, -1))
             h, residual = ops.rms_norm(x, layer.post_norm, c.rms_norm_eps, residual)
-            gate, up = F.linear(h, layer.gate_up_weight).chunk(2, dim=-1)
-            x = F.linear(F.silu(gate) * up, layer.down_weight)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = layer.down(F.silu(gate) * up)
         out, _ = ops.rms_norm(x, self.norm, c.rms_norm_eps, residual)
         return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.head(hidden).float()

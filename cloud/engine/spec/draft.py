@@ -60,7 +60,7 @@ def check_same_tokenizer(target: Checkpoint, draft: Checkpoint) -> None:
 def parameter_count(model: LlamaModel) -> int:
     tensors = [model.embed, model.norm] + ([] if model.lm_head is model.embed else [model.lm_head])
     for layer in model.layers:
-        tensors += [t for t in dataclasses.astuple(layer) if t is not None]
+        tensors += layer.tensors()
     return sum(t.numel() for t in tensors)
 
 
