@@ -8,6 +8,7 @@ import torch
 
 from cloud.engine.config import EngineConfig
 from cloud.engine.errors import EngineError
+from cloud.engine.host_malloc import keep_freed_memory
 from cloud.engine.loader import Checkpoint
 from cloud.engine.model import AttentionMetadata, LlamaModel, paged_layout
 from cloud.engine.sampler import sample
@@ -33,8 +34,10 @@ class ModelRunner:
                 raise EngineError("device 'cuda' requested but CUDA is not available")
         except RuntimeError as e:
             raise EngineError(f"bad device {config.device!r}: {e}") from e
-        if config.num_threads and self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads)
+        if self.device.type == "cpu":
+            keep_freed_memory()
+            if config.num_threads:
+                torch.set_num_threads(config.num_threads)
         self.dtype = resolve_dtype(config, self.device)
         self.block_size = config.block_size
         mc = self.model_config = checkpoint.config
