@@ -128,3 +128,23 @@ def test_gather_buffer_survives_switching_inference_mode() -> None:
         inside = reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.35).clone()
     outside = reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.35)
     torch.testing.assert_close(inside, outside)
+
+
+def test_decode_plan_is_reused_per_step_but_never_stale():
+    """Layers of one step share the block tables, so gather indices are built once; a table changed
+    in place, or new tables, get a fresh plan."""
+    case = make_case([20, 7, 33], [1, 1, 1], 4, 2, 16, block_size=4)
+    bs, hkv = case.k_cache.shape[1], case.k_cache.shape[2]
+    plan = reference._decode_plan(case.block_tables, case.context_lens, bs, hkv, None)
+    assert reference._decode_plan(case.block_tables, case.context_lens, bs, hkv, None) is plan
+    assert reference._decode_plan(case.block_tables, case.context_lens, bs, hkv, 5) is not plan
+    unused = sorted(set(range(case.k_cache.shape[0])) - set(case.block_tables.flatten().tolist()))
+    case.block_tables[0, 0] = unused[0]  # in place: sequence 0 now reads another block
+    out = reference.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables,
+                                           case.context_lens, case.scale)
+    torch.testing.assert_close(out.double(), dense_attention(case), **tolerance(torch.float32))
+    for _ in range(3):  # fresh tensors every time, as every engine step makes
+        fresh = make_case([9, 30], [1, 1], 4, 2, 16, block_size=4, seed=_)
+        out = reference.paged_decode_attention(fresh.q, fresh.k_cache, fresh.v_cache, fresh.block_tables,
+                                               fresh.context_lens, fresh.scale)
+        torch.testing.assert_close(out.double(), dense_attention(fresh), **tolerance(torch.float32))
