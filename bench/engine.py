@@ -8,7 +8,8 @@ again with ``max_num_seqs=1``; transformers ``generate`` and llama-cpp-python se
 at a time. Reported: output tokens/s and the ratios between systems, plus the paged KV cache's
 waste (slots allocated but unused) against contiguous per-request allocation. The machine is
 shared and noisy: the load average before and after each system is recorded; compare the
-rows of one run, not numbers across runs.
+rows of one run, not numbers across runs. With ``--rounds N`` every system runs N times,
+interleaved, and the table shows each system's median round and the median per-round ratio.
 """
 from __future__ import annotations
 
@@ -169,6 +170,8 @@ def command(
     sequential_requests: int = typer.Option(0, help="run the one-at-a-time systems on only the first N requests "
                                                     "(a random sample of the same workload; 0 = all)"),
     model: str = typer.Option("", help="GGUF path; default: the smollm2-135m-q4 asset"),
+    rounds: int = typer.Option(1, min=1, help="run the systems this many times, interleaved (order reversed every "
+                                              "other round), and report medians: ratios survive a noisy machine"),
 ) -> None:
     import torch
 
@@ -196,9 +199,9 @@ def command(
     tokenizer = (engines.setdefault(dtype, engine_for(dtype))).tokenizer
     work = make_workload(tokenizer, requests, (p_lo, p_hi), (o_lo, o_hi), seed)
     seq_work = work[:sequential_requests] if sequential_requests > 0 else work
-    results: dict[str, Result] = {}
-    loads: dict[str, tuple[float, float]] = {}
-    for system in chosen:
+    runs: dict[str, list[Result]] = {system: [] for system in chosen}
+    loads: dict[str, list[tuple[float, float]]] = {system: [] for system in chosen}
+    for system in [s for r in range(rounds) for s in (chosen if r % 2 == 0 else chosen[::-1])]:
         load_before = os.getloadavg()[0]
         n = len(work) if system in ("engine", "engine-fp32") else len(seq_work)
         typer.echo(f"running {system} on {n} requests (load average {load_before:.1f}) ...")
@@ -220,12 +223,19 @@ def command(
             res = run_llama_cpp(path, seq_work, threads)
             res.detail = f"llama-cpp-python, one request at a time, {threads} threads, GGUF Q4_1"
         res.system = system
-        results[system] = res
-        loads[system] = (load_before, os.getloadavg()[0])
+        runs[system].append(res)
+        loads[system].append((load_before, os.getloadavg()[0]))
         typer.echo(f"  {system} ({res.detail}): {res.output_tokens} tokens in {res.wall:.1f}s = {res.tok_s:.1f} tok/s")
+    # Each system's median round; ratios are medians of the per-round ratios (round r of one system
+    # against round r of the other, run minutes apart), so a slow phase of the machine cancels out.
+    results = {system: sorted(rs, key=lambda r: r.tok_s)[(len(rs) - 1) // 2] for system, rs in runs.items()}
 
     def ratio(system: str, base: str) -> float | str:
-        return results[system].tok_s / results[base].tok_s if base in results else "-"
+        if base not in runs:
+            return "-"
+        per_round = sorted(a.tok_s / b.tok_s for a, b in zip(runs[system], runs[base]))
+        n = len(per_round)
+        return per_round[n // 2] if n % 2 else (per_round[n // 2 - 1] + per_round[n // 2]) / 2
 
     columns = ["system", "output tok", "wall s", "output tok/s", "x HF seq", "x llama.cpp seq",
                "TTFT p50 s", "TTFT p99 s"]
@@ -257,7 +267,11 @@ def command(
                             "sequential_output_tokens": sum(r.max_tokens for r in seq_work)},
                "systems": {s: r.detail for s, r in results.items()},
                "threads": threads, "load_average_before_after": loads, "kv_cache": kv,
+               "rounds": rounds, "tok_s_per_round": {s: [round(r.tok_s, 2) for r in rs] for s, rs in runs.items()},
+               "ratios_median_of_rounds": {s: {"x_hf": ratio(s, "hf"), "x_llama_cpp": ratio(s, "llama-cpp")}
+                                           for s in runs},
                "first16_token_agreement_vs_fp32_engine": agreements,
                "engine_steps": {s: r.extra.get("steps") for s, r in results.items() if "steps" in r.extra},
-               "note": "one run, systems in sequence on a shared 2-core machine; compare rows of this run only",
+               "note": "one run, systems in sequence (interleaved over rounds) on a shared 2-core machine; "
+                       "compare rows of this run only",
            })
