@@ -8,7 +8,7 @@ import torch
 
 from cloud.engine.config import EngineConfig
 from cloud.engine.errors import EngineError
-from cloud.engine.host_malloc import keep_freed_memory
+from cloud.engine import host_memory
 from cloud.engine.loader import Checkpoint
 from cloud.engine.model import AttentionMetadata, LlamaModel, paged_layout
 from cloud.engine.sampler import sample
@@ -35,7 +35,7 @@ class ModelRunner:
         except RuntimeError as e:
             raise EngineError(f"bad device {config.device!r}: {e}") from e
         if self.device.type == "cpu":
-            keep_freed_memory()
+            host_memory.keep_freed_memory()
             if config.num_threads:
                 torch.set_num_threads(config.num_threads)
         self.dtype = resolve_dtype(config, self.device)
@@ -47,9 +47,10 @@ class ModelRunner:
         self.num_blocks = budget // self.bytes_per_block
         if self.num_blocks < 1:
             raise EngineError(f"kv_cache_bytes={budget} holds no {self.bytes_per_block}-byte block")
-        shape = (self.num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(mc.num_layers)]
+        # One allocation for the whole pool (on huge pages where the host allows): per layer, K and V are views.
+        pool = host_memory.zeros((mc.num_layers, 2, self.num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim),
+                                 self.dtype, self.device)
+        self.kv_caches = [(pool[layer, 0], pool[layer, 1]) for layer in range(mc.num_layers)]
         self.generator = torch.Generator().manual_seed(config.seed)
 
     def _default_kv_bytes(self) -> int:

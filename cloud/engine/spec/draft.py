@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from cloud.engine import host_memory
 from cloud.engine.block_manager import BlockManager
 from cloud.engine.errors import EngineError
 from cloud.engine.loader import Checkpoint, load_checkpoint
@@ -71,8 +72,8 @@ class DraftProposer:
         self.block_size = block_size
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching)
         shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=model.dtype, device=model.device),
-                           torch.zeros(shape, dtype=model.dtype, device=model.device)) for _ in range(c.num_layers)]
+        pool = host_memory.zeros((c.num_layers, 2) + shape, model.dtype, model.device)
+        self.kv_caches = [(pool[layer, 0], pool[layer, 1]) for layer in range(c.num_layers)]
         self.states: dict[Sequence, Sequence] = {}  # target sequence -> its draft shadow
 
     @classmethod

@@ -1,0 +1,74 @@
+"""Host memory for CPU inference: keep freed temporaries, and back the KV pool with huge pages.
+
+Why keep freed memory: glibc serves allocations above a (dynamic, small) threshold with fresh
+``mmap`` pages and returns freed heap tops to the OS. A CPU forward pass allocates and frees
+MB-sized temporaries hundreds of times per step, and on these VMs every first touch of a fresh
+page is a page fault: an RMSNorm of 1,024 bf16 rows measured 4.7 ms with the defaults and 0.35 ms
+with ``mallopt`` raising both thresholds. This is what preloading tcmalloc or jemalloc buys (vLLM's
+CPU docs recommend it), done in-process. It is process-wide, so the engine applies it once, on
+CPU only, and only where the C library is glibc.
+
+Why huge pages: decode attention gathers 128-byte K/V rows from all over a GiB-sized pool, and
+with 4 KiB pages nearly every block read is a TLB miss. Where transparent huge pages are on
+``madvise`` (as here), the pool is advised ``MADV_HUGEPAGE`` before its first touch. Decode
+attention over a 30-layer pool measured 15-20% faster on 2 MiB pages in isolation; in the whole
+engine benchmark the difference stayed inside this machine's run-to-run noise.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import platform
+
+import torch
+
+M_TRIM_THRESHOLD = -1  # from glibc's <malloc.h>
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 64 << 20  # allocations below this come from the reusable heap
+TRIM_THRESHOLD_BYTES = 1 << 30  # free heap tops up to this size stay with the process
+MADV_HUGEPAGE = 14  # from <sys/mman.h> (Linux)
+HUGE_PAGE = 2 << 20
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Apply the malloc tuning once; True if glibc accepted it (False elsewhere: macOS, musl, Windows)."""
+    libc = _libc()
+    return libc is not None and bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
+        libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+
+
+def advise_huge_pages(tensor: torch.Tensor) -> bool:
+    """Ask Linux to back the whole 2 MiB pages inside ``tensor``'s memory with huge pages.
+
+    Only pages not yet touched are affected, so call it before writing. True if the advice was taken.
+    """
+    libc = _libc()
+    if libc is None or tensor.device.type != "cpu":
+        return False
+    begin = tensor.data_ptr()
+    start = -(-begin // HUGE_PAGE) * HUGE_PAGE
+    end = (begin + tensor.numel() * tensor.element_size()) // HUGE_PAGE * HUGE_PAGE
+    return end > start and libc.madvise(start, end - start, MADV_HUGEPAGE) == 0
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.zeros``, on huge pages where the host allows it (CPU; CUDA memory is left alone)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    tensor = torch.empty(shape, dtype=dtype)
+    advise_huge_pages(tensor)
+    return tensor.zero_()

@@ -1,0 +1,72 @@
+"""Host memory for the CPU engine: freed temporaries stay in the process, the KV pool is advised onto huge pages."""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import platform
+
+import pytest
+
+import torch
+
+from cloud.engine.host_memory import HUGE_PAGE, keep_freed_memory, zeros
+
+GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+@pytest.mark.skipif(not GLIBC, reason="the tuning is glibc's mallopt")
+def test_freed_megabytes_stay_in_the_heap_instead_of_being_unmapped() -> None:
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    if not hasattr(libc, "mallinfo2"):
+        pytest.skip("glibc older than 2.33 has no mallinfo2")
+    libc.mallinfo2.restype = MallInfo2
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    assert keep_freed_memory() and keep_freed_memory()  # applied once, then cached
+    size = 16 << 20  # far above glibc's default mmap threshold (128 KiB, at most 32 MiB when dynamic)
+    mapped = libc.mallinfo2().hblkhd
+    block = libc.malloc(size)
+    try:
+        assert block
+        assert libc.mallinfo2().hblkhd == mapped  # served from the heap, not from fresh mmap pages
+    finally:
+        libc.free(block)
+    assert libc.mallinfo2().fordblks >= size  # and kept for the next temporary
+
+
+def _thp_mode() -> str:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return "absent"
+    return text.split("[")[1].split("]")[0]
+
+
+def _mapping_of(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that contains ``address``."""
+    fields: dict[str, str] = {}
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside:
+            name, _, value = line.partition(":")
+            fields[name] = value.strip()
+    return fields
+
+
+@pytest.mark.skipif(not GLIBC or _thp_mode() in ("never", "absent"), reason="no transparent huge pages here")
+def test_kv_pool_memory_is_eligible_for_huge_pages() -> None:
+    # ~100 MiB: above the heap threshold, so this is a fresh mapping (never one advised by an earlier pool)
+    shape = (8, 2, 1024, 16, 3, 64)
+    pool = zeros(shape, torch.bfloat16, torch.device("cpu"))
+    assert pool.shape == shape and not pool.any()
+    inner = -(-pool.data_ptr() // HUGE_PAGE) * HUGE_PAGE  # the first whole 2 MiB page inside the tensor
+    assert _mapping_of(inner).get("THPeligible") == "1"
