@@ -1,11 +1,7 @@
 """Event factories and small helpers shared by the edge tests."""
 from __future__ import annotations
 
-import threading
-import time
-from typing import Callable
-
-from shared.protocol import Envelope, SensorEvent, Severity
+from shared.protocol import SensorEvent, Severity
 
 SITE, DEVICE = "north", "hive-01"
 
@@ -36,28 +32,3 @@ SITUATIONS: dict[str, SensorEvent] = {
                             hive_humidity_pct=0.0),
     "low_battery": reading(5, severity=Severity.CRITICAL, flags=("battery_v_low",), battery_v=3.3, solar_w=0.0),
 }
-
-
-def wait_until(pred: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
-
-
-class Recorder:
-    """A thread-safe MQTT handler recording envelopes."""
-
-    def __init__(self) -> None:
-        self.items: list[tuple[str, Envelope]] = []
-        self._lock = threading.Lock()
-
-    def __call__(self, topic: str, env: Envelope) -> None:
-        with self._lock:
-            self.items.append((topic, env))
-
-    @property
-    def envs(self) -> list[Envelope]:
-        with self._lock:
-            return [e for _, e in self.items]

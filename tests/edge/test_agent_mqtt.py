@@ -24,7 +24,8 @@ from shared import topics
 from shared.config import MqttConfig
 from shared.protocol import DeviceState, Envelope, InferenceRequest, InferenceResult, Severity, make
 from shared.transport import MqttTransport
-from tests.edge.helpers import DEVICE, SITE, Recorder, question, reading, wait_until
+from tests.edge.helpers import DEVICE, SITE, question, reading
+from tests.shared.helpers import Inbox, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -74,7 +75,7 @@ class Observer:
     """Watches answers and state like an operator dashboard would (persistent session)."""
 
     def __init__(self, config: MqttConfig) -> None:
-        self.answers, self.states, self.escalations = Recorder(), Recorder(), Recorder()
+        self.answers, self.states, self.escalations = Inbox(), Inbox(), Inbox()
         self.transport = MqttTransport(config, "observer", persistent=True)
         self.transport.subscribe(topics.answer(SITE, DEVICE), self.answers)
         self.transport.subscribe(topics.state(SITE, DEVICE), self.states)

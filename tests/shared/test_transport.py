@@ -20,6 +20,7 @@ from shared.config import MqttConfig
 from shared.protocol import (ChatMessage, DeviceState, EdgeAttempt, Envelope, InferenceRequest, InferenceResult,
                              OtaCommand, OtaStatus, ProtocolError, SensorEvent, Severity, encode, make)
 from shared.transport import MqttTransport, RecentIds, TransportError
+from tests.shared.helpers import Inbox, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -27,35 +28,6 @@ SITE = "apiary-north"
 
 
 # ---------------------------------------------------------------------------- helpers
-
-def wait_until(pred: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.01)
-
-
-class Inbox:
-    """A thread-safe handler that records (topic, envelope) pairs."""
-
-    def __init__(self) -> None:
-        self.items: list[tuple[str, Envelope]] = []
-        self._lock = threading.Lock()
-
-    def __call__(self, topic: str, env: Envelope) -> None:
-        with self._lock:
-            self.items.append((topic, env))
-
-    @property
-    def envs(self) -> list[Envelope]:
-        with self._lock:
-            return [e for _, e in self.items]
-
-    def wait(self, n: int, timeout: float = 15.0) -> list[Envelope]:
-        wait_until(lambda: len(self.items) >= n, timeout, f"{n} messages (have {len(self.items)})")
-        return self.envs
-
 
 def event(seq: int, device: str = "hive-01", site: str = SITE) -> Envelope:
     body = SensorEvent(site=site, device=device, seq=seq, timestamp=1.7e9 + seq, readings={"hive_temp_c": 34.5})
