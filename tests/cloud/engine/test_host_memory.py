@@ -9,7 +9,7 @@ import pytest
 
 import torch
 
-from cloud.engine.host_memory import HUGE_PAGE, keep_freed_memory, zeros
+from cloud.engine.host_memory import HUGE_PAGE, advise_huge_pages, keep_freed_memory, zeros
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
@@ -64,6 +64,8 @@ def _mapping_of(address: int) -> dict[str, str]:
 
 @pytest.mark.skipif(not GLIBC or _thp_mode() in ("never", "absent"), reason="no transparent huge pages here")
 def test_kv_pool_memory_is_eligible_for_huge_pages() -> None:
+    if not advise_huge_pages(torch.empty(8 << 20, dtype=torch.uint8)):
+        pytest.skip("this kernel or container refuses MADV_HUGEPAGE")
     # ~100 MiB: above the heap threshold, so this is a fresh mapping (never one advised by an earlier pool)
     shape = (8, 2, 1024, 16, 3, 64)
     pool = zeros(shape, torch.bfloat16, torch.device("cpu"))
