@@ -7,7 +7,7 @@ the Triton kernels replace the torch references on CUDA without touching this fi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -40,13 +40,6 @@ class AttentionMetadata:
     # length and cuts them into a few groups (measured ~30% less decode attention time at
     # batch 64 with mixed lengths); None = one call (CUDA kernels handle ragged lengths).
     decode_groups: list[tuple[int, int]] | None = None
-    # (start, end, block tables, context lens) of each decode call, sliced once per step, not per layer.
-    decode_parts: list[tuple[int, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        nd = self.num_decode_tokens
-        self.decode_parts = [(a, b, self.decode_block_tables[a:b], self.decode_context_lens[a:b])
-                             for a, b in (self.decode_groups or ([(0, nd)] if nd else []))]
 
 
 def paged_layout(starts: np.ndarray, counts: np.ndarray, block_tables: list[list[int]], block_size: int,
@@ -163,8 +156,9 @@ class LlamaModel:
     def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    meta: AttentionMetadata) -> torch.Tensor:
         nd, window = meta.num_decode_tokens, self.config.sliding_window
-        parts = [ops.paged_decode_attention(q[a:b], k_cache, v_cache, tables, lens, self.scale, window)
-                 for a, b, tables, lens in meta.decode_parts]
+        parts = [ops.paged_decode_attention(q[a:b], k_cache, v_cache, meta.decode_block_tables[a:b],
+                                            meta.decode_context_lens[a:b], self.scale, window)
+                 for a, b in (meta.decode_groups or ([(0, nd)] if nd else []))]
         if nd < q.shape[0]:
             parts.append(ops.paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables,
                                                      meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
