@@ -27,6 +27,7 @@ class EngineConfig:
     swap_space_bytes: int = 1 << 30  # host memory for swapped-out KV; when full, preemption recomputes
     aging_steps: int = 256  # a waiting request gains one priority level per this many engine steps
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's default
+    cpu_attention: Literal["numba", "torch"] = "numba"  # CPU decode attention: numba kernel or torch reference
     seed: int = 0  # for requests that sample without their own seed
     speculative: SpeculativeConfig | None = None  # None: plain decoding (see docs/speculative.md)
 
@@ -40,6 +41,8 @@ class EngineConfig:
             raise EngineError(f"EngineConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise EngineError(f"EngineConfig.preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.cpu_attention not in ("numba", "torch"):
+            raise EngineError(f"EngineConfig.cpu_attention must be 'numba' or 'torch', got {self.cpu_attention!r}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise EngineError(f"EngineConfig.kv_cache_bytes must be > 0, got {self.kv_cache_bytes!r}")
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):

@@ -1,8 +1,9 @@
 """A Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) over a paged KV cache.
 
 Covers Llama 2/3, SmolLM2, Mistral and Qwen2 (q/k/v biases). q/k/v and gate/up are fused into
-one matmul each. Attention, norms, rotary and the KV write go through ``kernels.ops`` only, so
-the Triton kernels replace the torch references on CUDA without touching this file.
+one matmul each. Attention, norms, rotary and the KV write go through ``kernels.ops``, so the
+Triton kernels replace the torch references on CUDA without touching this file; on CPU, decode
+attention goes to ``cloud.engine.cpu_attention`` (numba) unless the config asks for the reference.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from cloud.engine import cpu_attention
 from cloud.engine.config import ModelConfig
 from cloud.engine.errors import EngineError
 from cloud.engine.linear import Linear
@@ -38,7 +40,7 @@ class AttentionMetadata:
     # Consecutive decode rows served by one attention call each. The torch reference pads every
     # row to the longest context of its call, so on CPU the runner sorts decodes by context
     # length and cuts them into a few groups (measured ~30% less decode attention time at
-    # batch 64 with mixed lengths); None = one call (CUDA kernels handle ragged lengths).
+    # batch 64 with mixed lengths); None = one call (the CUDA and numba kernels handle ragged lengths).
     decode_groups: list[tuple[int, int]] | None = None
 
 
@@ -113,9 +115,15 @@ def rope_cos_sin_cache(config: ModelConfig, max_positions: int, device: torch.de
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype, max_positions: int) -> None:
+                 dtype: torch.dtype, max_positions: int, cpu_attention_backend: str = "numba") -> None:
         self.config = config
         self.device, self.dtype = device, dtype
+        # Decode attention: kernels.ops (Triton on CUDA, the torch reference on CPU), or on CPU the
+        # numba kernel, which reads K/V through the block tables without a padded copy.
+        self.ragged_decode = (cpu_attention_backend == "numba" and device.type == "cpu"
+                              and dtype in cpu_attention.SUPPORTED_DTYPES)
+        self.decode_attention = (cpu_attention.paged_decode_attention if self.ragged_decode
+                                 else ops.paged_decode_attention)
         self.scale = config.head_dim ** -0.5
 
         def w(name: str) -> torch.Tensor:
@@ -156,8 +164,8 @@ class LlamaModel:
     def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    meta: AttentionMetadata) -> torch.Tensor:
         nd, window = meta.num_decode_tokens, self.config.sliding_window
-        parts = [ops.paged_decode_attention(q[a:b], k_cache, v_cache, meta.decode_block_tables[a:b],
-                                            meta.decode_context_lens[a:b], self.scale, window)
+        parts = [self.decode_attention(q[a:b], k_cache, v_cache, meta.decode_block_tables[a:b],
+                                       meta.decode_context_lens[a:b], self.scale, window)
                  for a, b in (meta.decode_groups or ([(0, nd)] if nd else []))]
         if nd < q.shape[0]:
             parts.append(ops.paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables,

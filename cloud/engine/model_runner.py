@@ -41,7 +41,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config, self.device)
         self.block_size = config.block_size
         mc = self.model_config = checkpoint.config
-        self.model = LlamaModel(mc, checkpoint.weights, self.device, self.dtype, max_positions=max_model_len)
+        self.model = LlamaModel(mc, checkpoint.weights, self.device, self.dtype, max_positions=max_model_len,
+                                cpu_attention_backend=config.cpu_attention)
         self.bytes_per_block = 2 * mc.num_layers * config.block_size * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
         budget = config.kv_cache_bytes or self._default_kv_bytes()
         self.num_blocks = budget // self.bytes_per_block
@@ -74,7 +75,8 @@ class ModelRunner:
         context = starts + counts
         nd = batch.num_decodes
         groups = None
-        if self.device.type == "cpu" and nd >= 2 * DECODE_GROUP_MIN and (np.diff(context[:nd]) >= 0).all():
+        padded = self.device.type == "cpu" and not self.model.ragged_decode  # the torch reference pads
+        if padded and nd >= 2 * DECODE_GROUP_MIN and (np.diff(context[:nd]) >= 0).all():
             # The scheduler orders decodes by context length: cut them into equal-count groups.
             k = min(DECODE_GROUPS, nd // DECODE_GROUP_MIN)
             edges = [round(i * nd / k) for i in range(k + 1)]

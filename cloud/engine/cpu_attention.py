@@ -1,0 +1,144 @@
+"""Paged decode attention for CPUs, compiled with numba: reads each cached K/V row once.
+
+Why: the torch reference (``kernels.reference``) gathers every sequence's K/V into a padded
+copy and then runs two batched matmuls over it: the whole cache is read, written, and read
+again, padding included. On the 2-core dev machine a 63-sequence decode step spent ~40% of its
+time there. This kernel walks each sequence's block table instead, and keeps scores, softmax
+and the weighted sum in fp32 registers and a small per-sequence buffer: one pass over K, one
+over V, no copy. Measured in isolation on 30 layers of a 63-sequence batch: ~2x faster than
+the reference at 2 threads.
+
+Why numba and why here: on GPUs the Triton kernel in ``kernels/`` does this job; Triton has no
+CPU backend, ``kernels/`` holds only torch and Triton code, and a C++ extension would need a
+compiler wherever the engine runs. numba compiles through its bundled LLVM (no toolchain) and
+caches the machine code next to this file, so only the first process pays the ~3 s compile.
+
+Semantics are ``kernels.ops.paged_decode_attention``'s: caches ``[num_blocks, block_size, Hkv,
+D]``, query head ``h`` reads KV head ``h // (Hq // Hkv)``, a sequence sees its
+``context_lens[b]`` cached tokens (only the last ``sliding_window`` of them with a window), and
+a sequence with no tokens yields zeros. bfloat16 and float32 caches are supported; anything
+else (or a CUDA tensor) is the caller's to route to ``kernels.ops``.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic, overload
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
+
+
+@intrinsic
+def _bf16_bits_as_f32(typingctx, bits):  # type: ignore[no-untyped-def]
+    """int16 holding bfloat16 bits -> the float32 with the same value (bf16 is fp32's top half)."""
+    signature = types.float32(types.int16)
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        wide = builder.shl(builder.sext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+        return builder.bitcast(wide, ir.FloatType())
+
+    return signature, codegen
+
+
+def _as_f32(value):  # type: ignore[no-untyped-def]  # pragma: no cover - replaced by the overload in compiled code
+    raise NotImplementedError
+
+
+@overload(_as_f32)
+def _as_f32_impl(value):  # type: ignore[no-untyped-def]
+    if value == types.int16:
+        return lambda value: _bf16_bits_as_f32(value)
+    return lambda value: np.float32(value)
+
+
+@njit(parallel=True, fastmath=True, cache=True, boundscheck=False, nogil=True)
+def _decode_kernel(q, k_cache, v_cache, block_tables, context_lens, scale, window, out):  # type: ignore[no-untyped-def]
+    """q ``[B, Hq, D]`` fp32; caches int16 (bf16 bits) or fp32; out ``[B, Hq, D]`` fp32."""
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    num_items = num_seqs * num_kv_heads
+    for item in prange(num_items):
+        # Work items alternate from both ends: callers order sequences by length, and prange hands
+        # each thread one contiguous chunk, so this pairs short sequences with long ones.
+        i = item // 2 if item % 2 == 0 else num_items - 1 - item // 2
+        b = i // num_kv_heads
+        h = i - b * num_kv_heads
+        end = context_lens[b]
+        start = max(0, end - window) if window > 0 else 0
+        n = end - start
+        if n <= 0:
+            for g in range(group):
+                for d in range(head_dim):
+                    out[b, h * group + g, d] = 0.0
+            continue
+        scaled_q = np.empty((group, head_dim), np.float32)
+        for g in range(group):
+            for d in range(head_dim):
+                scaled_q[g, d] = q[b, h * group + g, d] * scale
+        scores = np.empty((group, n), np.float32)
+        for t in range(n):
+            pos = start + t
+            key = k_cache[block_tables[b, pos // block_size], pos % block_size, h]
+            for g in range(group):
+                s = np.float32(0.0)
+                for d in range(head_dim):
+                    s += scaled_q[g, d] * _as_f32(key[d])
+                scores[g, t] = s
+        for g in range(group):
+            top = scores[g, 0]
+            for t in range(1, n):
+                top = max(top, scores[g, t])
+            total = np.float32(0.0)
+            for t in range(n):
+                e = np.exp(scores[g, t] - top)
+                scores[g, t] = e
+                total += e
+            inv = np.float32(1.0) / total
+            for t in range(n):
+                scores[g, t] *= inv
+        acc = np.zeros((group, head_dim), np.float32)
+        for t in range(n):
+            pos = start + t
+            value = v_cache[block_tables[b, pos // block_size], pos % block_size, h]
+            for g in range(group):
+                p = scores[g, t]
+                for d in range(head_dim):
+                    acc[g, d] += p * _as_f32(value[d])
+        for g in range(group):
+            for d in range(head_dim):
+                out[b, h * group + g, d] = acc[g, d]
+
+
+def supports(k_cache: torch.Tensor) -> bool:
+    """True if this kernel can serve a cache like ``k_cache`` (a CPU tensor of a supported dtype)."""
+    return k_cache.device.type == "cpu" and k_cache.dtype in SUPPORTED_DTYPES
+
+
+def _cache_array(cache: torch.Tensor) -> np.ndarray:
+    # numpy has no bfloat16: hand numba the raw bits (zero-copy) and convert in the kernel.
+    return (cache.view(torch.int16) if cache.dtype == torch.bfloat16 else cache).numpy()
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """One query per sequence ``q[B, Hq, D]`` over its ``context_lens[b]`` cached tokens -> ``[B, Hq, D]``.
+
+    For the best thread balance, order sequences by context length (the runner does).
+    """
+    if not (supports(k_cache) and v_cache.dtype == k_cache.dtype):
+        raise ValueError(f"cpu_attention serves CPU caches of {SUPPORTED_DTYPES}, got {k_cache.dtype} on {k_cache.device}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    out = np.empty(tuple(q.shape), np.float32)
+    if q.shape[0]:
+        # numba's thread count is per calling thread (the async engine steps in its own thread).
+        numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+        _decode_kernel(q.float().contiguous().numpy(), _cache_array(k_cache), _cache_array(v_cache),
+                       block_tables.to(torch.int32).contiguous().numpy(),
+                       context_lens.to(torch.int32).contiguous().numpy(),
+                       np.float32(scale), int(sliding_window or 0), out)
+    return torch.from_numpy(out).to(q.dtype)
