@@ -56,61 +56,67 @@ def _as_f32_impl(value):  # type: ignore[no-untyped-def]
 
 @njit(parallel=True, fastmath=True, cache=True, boundscheck=False, nogil=True)
 def _decode_kernel(q, k_cache, v_cache, block_tables, context_lens, scale, window, out):  # type: ignore[no-untyped-def]
-    """q ``[B, Hq, D]`` fp32; caches int16 (bf16 bits) or fp32; out ``[B, Hq, D]`` fp32."""
+    """q ``[B, Hq, D]`` fp32; caches int16 (bf16 bits) or fp32; out ``[B, Hq, D]`` fp32.
+
+    One work item per sequence, all heads together: a token's K (or V) row for every KV head is one
+    contiguous run of memory, read whole (per-head items read a third of each run and measured
+    ~25% slower; the hardware prefetcher fetches the rest anyway).
+    """
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    num_items = num_seqs * num_kv_heads
-    for item in prange(num_items):
-        # Work items alternate from both ends: callers order sequences by length, and prange hands
-        # each thread one contiguous chunk, so this pairs short sequences with long ones.
-        i = item // 2 if item % 2 == 0 else num_items - 1 - item // 2
-        b = i // num_kv_heads
-        h = i - b * num_kv_heads
+    for item in prange(num_seqs):
+        # Items alternate from both ends: callers order sequences by length, and prange hands each
+        # thread one contiguous chunk, so this pairs short sequences with long ones.
+        b = item // 2 if item % 2 == 0 else num_seqs - 1 - item // 2
         end = context_lens[b]
         start = max(0, end - window) if window > 0 else 0
         n = end - start
         if n <= 0:
-            for g in range(group):
+            for hq in range(num_heads):
                 for d in range(head_dim):
-                    out[b, h * group + g, d] = 0.0
+                    out[b, hq, d] = 0.0
             continue
-        scaled_q = np.empty((group, head_dim), np.float32)
-        for g in range(group):
+        scaled_q = np.empty((num_heads, head_dim), np.float32)
+        for hq in range(num_heads):
             for d in range(head_dim):
-                scaled_q[g, d] = q[b, h * group + g, d] * scale
-        scores = np.empty((group, n), np.float32)
+                scaled_q[hq, d] = q[b, hq, d] * scale
+        scores = np.empty((num_heads, n), np.float32)
         for t in range(n):
             pos = start + t
-            key = k_cache[block_tables[b, pos // block_size], pos % block_size, h]
-            for g in range(group):
-                s = np.float32(0.0)
-                for d in range(head_dim):
-                    s += scaled_q[g, d] * _as_f32(key[d])
-                scores[g, t] = s
-        for g in range(group):
-            top = scores[g, 0]
+            block, offset = block_tables[b, pos // block_size], pos % block_size
+            for h in range(num_kv_heads):
+                key = k_cache[block, offset, h]
+                for hq in range(h * group, (h + 1) * group):
+                    s = np.float32(0.0)
+                    for d in range(head_dim):
+                        s += scaled_q[hq, d] * _as_f32(key[d])
+                    scores[hq, t] = s
+        for hq in range(num_heads):
+            top = scores[hq, 0]
             for t in range(1, n):
-                top = max(top, scores[g, t])
+                top = max(top, scores[hq, t])
             total = np.float32(0.0)
             for t in range(n):
-                e = np.exp(scores[g, t] - top)
-                scores[g, t] = e
+                e = np.exp(scores[hq, t] - top)
+                scores[hq, t] = e
                 total += e
             inv = np.float32(1.0) / total
             for t in range(n):
-                scores[g, t] *= inv
-        acc = np.zeros((group, head_dim), np.float32)
+                scores[hq, t] *= inv
+        acc = np.zeros((num_heads, head_dim), np.float32)
         for t in range(n):
             pos = start + t
-            value = v_cache[block_tables[b, pos // block_size], pos % block_size, h]
-            for g in range(group):
-                p = scores[g, t]
-                for d in range(head_dim):
-                    acc[g, d] += p * _as_f32(value[d])
-        for g in range(group):
+            block, offset = block_tables[b, pos // block_size], pos % block_size
+            for h in range(num_kv_heads):
+                value = v_cache[block, offset, h]
+                for hq in range(h * group, (h + 1) * group):
+                    p = scores[hq, t]
+                    for d in range(head_dim):
+                        acc[hq, d] += p * _as_f32(value[d])
+        for hq in range(num_heads):
             for d in range(head_dim):
-                out[b, h * group + g, d] = acc[g, d]
+                out[b, hq, d] = acc[hq, d]
 
 
 def supports(k_cache: torch.Tensor) -> bool:
