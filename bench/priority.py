@@ -70,7 +70,8 @@ async def _run_loaded(engine: Any, high: list[list[int]], low: list[list[int]], 
         w.cancel()
     await asyncio.gather(*workers, return_exceptions=True)
     after = await asyncio.to_thread(engine.metrics)
-    return {"ttft": ttfts, "low_tok_s": low_rate, "preemptions": after["preemptions"] - before["preemptions"]}
+    return {"ttft": ttfts, "low_tok_s": low_rate, "preemptions": after["preemptions"] - before["preemptions"],
+            "interrupted": after["interrupted_steps"] - before["interrupted_steps"]}
 
 
 def command(
@@ -121,7 +122,7 @@ def command(
             for p in high_prompts:
                 ttfts.append(await _high(engine, p, high_params, 0))
                 await asyncio.sleep(0.05)
-            return {"ttft": ttfts, "low_tok_s": 0.0, "preemptions": 0}
+            return {"ttft": ttfts, "low_tok_s": 0.0, "preemptions": 0, "interrupted": 0}
 
         for name, runner in (
             ("idle engine", idle),
@@ -143,13 +144,13 @@ def command(
     for name, r in results.items():
         p50, p99 = percentile(r["ttft"], 50), percentile(r["ttft"], 99)
         rows.append([name, len(r["ttft"]), p50, p99, p50 / idle_p50, p99 / idle_p99, round(r["low_tok_s"], 1),
-                     r["preemptions"]])
+                     r["preemptions"], r["interrupted"]])
     ratio = results["loaded, priority"]["ttft"]
     typer.echo(f"high-priority TTFT p99 under load / idle: {percentile(ratio, 99) / idle_p99:.2f}x (target <= 2x)")
     report("priority", f"High-priority TTFT under saturating low-priority load ({dtype}, budget {budget}, "
                        f"{max_num_seqs} slots, {threads} threads)",
            ["condition", "high req", "TTFT p50 s", "TTFT p99 s", "p50 / idle", "p99 / idle", "low-prio tok/s",
-            "preemptions"], rows,
+            "preemptions", "interrupted steps"], rows,
            {"ttfts": {k: v["ttft"] for k, v in results.items()}, "interval_s": interval, "budget": budget,
             "max_num_seqs": max_num_seqs, "low_concurrency": concurrency, "load_average_before_after": loads,
             "high": {"prompt_tokens": "32-64", "max_tokens": 16}, "low": {"prompt_tokens": "256-512",

@@ -113,11 +113,15 @@ class AsyncEngine:
         sub = _Subscriber(asyncio.get_running_loop(), asyncio.Queue())
 
         def add() -> str:  # on the loop thread, between steps: no output can slip past the subscription
-            rid = self.engine.add_request(prompt, messages=messages, params=params, priority=priority,
-                                          request_id=request_id)
+            try:
+                rid = self.engine.add_request(prompt, messages=messages, params=params, priority=priority,
+                                              request_id=request_id)
+            finally:
+                self.engine.withdraw_arrival(priority)
             self._subscribers[rid] = sub
             return rid
 
+        self.engine.announce_arrival(priority)  # a running step of less urgent work stops early
         await asyncio.wrap_future(self._call(add))
         finished = False
         try:

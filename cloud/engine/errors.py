@@ -12,3 +12,8 @@ class RequestRejected(EngineError, ValueError):
 
 class EngineOverloaded(EngineError):
     """The waiting queue is full right now: retry later (HTTP 503 / MQTT busy)."""
+
+
+class StepInterrupted(Exception):
+    """Internal: a forward pass was cut short at a layer boundary because a more urgent request
+    arrived. The engine catches it and discards the step (nothing was committed); never escapes."""

@@ -5,6 +5,8 @@ Not thread-safe: one thread drives it (``AsyncEngine`` does so for concurrent ca
 from __future__ import annotations
 
 import itertools
+import math
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -15,7 +17,7 @@ import torch
 from cloud.engine import detokenizer
 from cloud.engine.block_manager import BlockManager
 from cloud.engine.config import EngineConfig
-from cloud.engine.errors import EngineError, EngineOverloaded, RequestRejected
+from cloud.engine.errors import EngineError, EngineOverloaded, RequestRejected, StepInterrupted
 from cloud.engine.loader import Checkpoint, load_checkpoint
 from cloud.engine.metrics import EngineStats
 from cloud.engine.model_runner import ModelRunner
@@ -47,6 +49,8 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._pending: list[RequestOutput] = []  # produced outside step() (aborts) or held back by generate()
         self._finished: dict[str, Sequence] = {}  # finished during this step (the speculator forgets them after)
+        self._announced: list[int] = []  # priorities of requests on their way in (see announce_arrival)
+        self._announced_lock = threading.Lock()
 
     def _speculator(self, config: EngineConfig, checkpoint: Checkpoint) -> Speculator:
         """The speculative decoder; a draft model gets as many KV blocks as the target (it never runs out first)."""
@@ -139,6 +143,28 @@ class LLMEngine:
 
     # ------------------------------------------------------------ the step
 
+    def announce_arrival(self, priority: int) -> None:
+        """Thread-safe: a request of ``priority`` is on its way in (it will be added between steps).
+
+        While it is announced, a running step that holds only less urgent sequences stops at the
+        next layer boundary and is discarded, so the newcomer is scheduled a partial step sooner:
+        an urgent request never waits out a long low-priority prefill step. The partial work is
+        redone later (it was never committed). ``AsyncEngine`` announces every submission and
+        withdraws it once ``add_request`` has run, whatever its outcome.
+        """
+        with self._announced_lock:
+            self._announced.append(priority)
+
+    def withdraw_arrival(self, priority: int) -> None:
+        """The announced request was added (or refused): it no longer interrupts steps."""
+        with self._announced_lock:
+            if priority in self._announced:
+                self._announced.remove(priority)
+
+    def _most_urgent_announced(self) -> float:
+        with self._announced_lock:
+            return min(self._announced, default=math.inf)
+
     def step(self) -> list[RequestOutput]:
         """Schedule -> run -> postprocess. One output per request that produced tokens or finished."""
         outputs, self._pending = self._pending, []
@@ -159,7 +185,16 @@ class LLMEngine:
                 plan = spec.extend_batch(batch, self.block_manager, self.max_model_len,
                                          self.config.max_num_batched_tokens, self._generator_of)
         started = time.perf_counter()
-        sampled, spec_logits = self.runner.execute(batch, plan.seqs if plan else [])
+        should_stop = None
+        if plan is None and batch.seqs:  # (a speculative step keeps draft state: it always runs to the end)
+            least = min(s.urgency[0] for s in batch.seqs)
+            should_stop = lambda: self._most_urgent_announced() < least  # noqa: E731
+        try:
+            sampled, spec_logits = self.runner.execute(batch, plan.seqs if plan else [], should_stop)
+        except StepInterrupted:
+            # Nothing was committed: the same sequences keep their blocks and are scheduled again.
+            self.stats.interrupted_steps += 1
+            return outputs
         verdicts = spec.verify(plan, spec_logits, [self._generator_of(s) for s in plan.seqs]) if plan else []
         if spec is not None and batch.seqs and all(n == 1 or s in batch.spec_tokens
                                                    for s, n in zip(batch.seqs, batch.num_new_tokens)):
@@ -281,5 +316,6 @@ class LLMEngine:
             "kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_blocks - bm.num_free_blocks,
             "kv_blocks_free": bm.num_free_blocks, "kv_blocks_cached_free": len(bm.evictable),
             "preemptions": self.scheduler.num_preemptions,
+            "interrupted_steps": self.stats.interrupted_steps,
             **(self.speculator.metrics() if self.speculator is not None else {}),
         }

@@ -29,6 +29,7 @@ class EngineStats:
     cached_prompt_tokens: int = 0  # of those, served by the prefix cache
     generated_tokens: int = 0
     computed_tokens: int = 0  # tokens run through the model (prefill + decode + recompute)
+    interrupted_steps: int = 0  # cut short for a more urgent arrival (their tokens ran again later)
     # KV slot accounting, summed over steps: slots in allocated blocks vs slots holding a token.
     kv_slots_allocated: int = 0
     kv_slots_unused: int = 0

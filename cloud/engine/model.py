@@ -8,6 +8,7 @@ attention goes to ``cloud.engine.cpu_attention`` (numba) unless the config asks 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 
 from cloud.engine import cpu_attention
 from cloud.engine.config import ModelConfig
-from cloud.engine.errors import EngineError
+from cloud.engine.errors import EngineError, StepInterrupted
 from cloud.engine.linear import Linear
 from kernels import ops
 
@@ -174,13 +175,20 @@ class LlamaModel:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Final-normed hidden states ``[T, hidden]`` of the new tokens; their K/V land in ``kv_caches``."""
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
+        """Final-normed hidden states ``[T, hidden]`` of the new tokens; their K/V land in ``kv_caches``.
+
+        ``should_stop`` is asked before every layer after the first; if it says yes, the pass raises
+        ``StepInterrupted`` (the K/V already written are rewritten when the tokens run again).
+        """
         c = self.config
         t = input_ids.shape[0]
         x = F.embedding(input_ids, self.embed)
         residual: torch.Tensor | None = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            if residual is not None and should_stop is not None and should_stop():
+                raise StepInterrupted
             if residual is None:
                 residual, h = x, ops.rms_norm(x, layer.input_norm, c.rms_norm_eps)
             else:

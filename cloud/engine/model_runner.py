@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -88,10 +89,12 @@ class ModelRunner:
         return input_tensor, positions, meta, last_rows
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, verify: list[Sequence] = ()) -> tuple[dict[Sequence, int], torch.Tensor | None]:
+    def execute(self, batch: ScheduledBatch, verify: list[Sequence] = (),
+                should_stop: Callable[[], bool] | None = None) -> tuple[dict[Sequence, int], torch.Tensor | None]:
         """Run ``batch``; return the sampled next token of every sequence whose known tokens are now all
         computed, and for the speculating sequences ``verify`` (in that order) the logits of all their
-        positions, last real token and draft tokens (``[sum(k_i + 1), vocab]``; None if there are none)."""
+        positions, last real token and draft tokens (``[sum(k_i + 1), vocab]``; None if there are none).
+        ``should_stop``: see ``LlamaModel.forward`` (raises ``StepInterrupted``; nothing is sampled)."""
         for seq, blocks in batch.swap_out:
             self.swap_out(seq, blocks)
         for seq, blocks in batch.swap_in:
@@ -99,7 +102,7 @@ class ModelRunner:
         if not batch.seqs:
             return {}, None
         input_ids, positions, meta, last_rows = self.prepare(batch)
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, should_stop)
         sampled = [s for s, row in zip(batch.seqs, last_rows) if row >= 0]
         spec_logits = None
         if verify:

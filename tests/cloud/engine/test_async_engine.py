@@ -142,3 +142,17 @@ def test_duplicate_request_id_is_rejected_without_hurting_the_original(async_eng
 
     final = asyncio.run(main())
     assert final.finished and len(final.output_token_ids) == 40
+
+
+def test_submissions_are_announced_until_added_even_when_refused(async_engine: AsyncEngine) -> None:
+    """Each stream announces its priority (so a less urgent running step can stop early) and
+    withdraws it once the engine took or refused the request: nothing stays announced."""
+    async def main():
+        ok = [o async for o in async_engine.stream("hive", params=SamplingParams(max_tokens=3), priority=0)]
+        with pytest.raises(RequestRejected):
+            async for _ in async_engine.stream("", params=SamplingParams(max_tokens=3), priority=-4):
+                pass
+        return ok
+
+    assert asyncio.run(main())[-1].finished
+    assert async_engine.engine._most_urgent_announced() == float("inf")

@@ -210,3 +210,37 @@ def test_metrics_report_the_engine_state(tiny_llama: Path) -> None:
     assert m["requests_finished"] == 8 and m["generated_tokens"] == 80
     assert m["kv_blocks_used"] == 0 and m["kv_blocks_free"] == m["kv_blocks_total"]
     assert 0 <= m["kv_slot_waste"] < m["kv_waste_contiguous_request"] < m["kv_waste_contiguous_max_len"] < 1
+
+
+def test_an_announced_urgent_arrival_interrupts_a_less_urgent_step(tiny_llama: Path) -> None:
+    """A step cut short for an urgent newcomer commits nothing: the interrupted work runs again
+    later and every greedy token is the same as in an uninterrupted run."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    texts = prompts(6, seed=3)
+    reference = engine_for(tiny_llama)
+    expected = [o.output_token_ids for o in reference.generate(texts, params)]
+
+    engine = engine_for(tiny_llama)
+    ids = [engine.add_request(t, params=params, priority=5) for t in texts]
+    engine.step()  # some work under way
+    seqs = [engine.requests[i] for i in ids]
+    before = [(s.num_computed_tokens, list(s.block_table), s.num_tokens) for s in seqs]
+
+    engine.announce_arrival(5)  # as urgent as the batch: no reason to stop it
+    engine.step()
+    assert engine.metrics()["interrupted_steps"] == 0
+    engine.withdraw_arrival(5)
+    before = [(s.num_computed_tokens, list(s.block_table), s.num_tokens) for s in seqs]
+
+    engine.announce_arrival(0)  # more urgent than everything running: the next step stops early
+    assert engine.step() == []
+    assert engine.metrics()["interrupted_steps"] == 1
+    assert [(s.num_computed_tokens, s.block_table[:len(b)], s.num_tokens) for s, (_, b, _) in zip(seqs, before)] == \
+        [(c, b, n) for c, b, n in before]  # nothing committed, no block lost
+    urgent = engine.add_request("queen swarm", params=SamplingParams(max_tokens=3, ignore_eos=True), priority=0)
+    engine.withdraw_arrival(0)
+    outs = run_all(engine)
+    assert outs[urgent][-1].finished
+    assert [outs[i][-1].output_token_ids for i in ids] == expected
+    assert engine.metrics()["interrupted_steps"] == 1
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
