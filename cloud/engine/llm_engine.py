@@ -146,10 +146,11 @@ class LLMEngine:
     def announce_arrival(self, priority: int) -> None:
         """Thread-safe: a request of ``priority`` is on its way in (it will be added between steps).
 
-        While it is announced, a running step that holds only less urgent sequences stops at the
+        While it is announced, a running step that holds any less urgent sequence stops at the
         next layer boundary and is discarded, so the newcomer is scheduled a partial step sooner:
         an urgent request never waits out a long low-priority prefill step. The partial work is
-        redone later (it was never committed). ``AsyncEngine`` announces every submission and
+        redone later (it was never committed). The step that then starts the newcomer carries
+        nothing less urgent (see the scheduler), so equally urgent arrivals do not stop it. ``AsyncEngine`` announces every submission and
         withdraws it once ``add_request`` has run, whatever its outcome.
         """
         with self._announced_lock:
@@ -187,8 +188,10 @@ class LLMEngine:
         started = time.perf_counter()
         should_stop = None
         if plan is None and batch.seqs:  # (a speculative step keeps draft state: it always runs to the end)
-            least = min(s.urgency[0] for s in batch.seqs)
-            should_stop = lambda: self._most_urgent_announced() < least  # noqa: E731
+            # Stop if the newcomer is more urgent than some of this step's work; the more urgent part of
+            # it (say an earlier urgent request's decode) runs again in the very next step.
+            most_lenient = max(s.urgency[0] for s in batch.seqs)
+            should_stop = lambda: self._most_urgent_announced() < most_lenient  # noqa: E731
         try:
             sampled, spec_logits = self.runner.execute(batch, plan.seqs if plan else [], should_stop)
         except StepInterrupted:

@@ -221,18 +221,18 @@ def test_an_announced_urgent_arrival_interrupts_a_less_urgent_step(tiny_llama: P
     expected = [o.output_token_ids for o in reference.generate(texts, params)]
 
     engine = engine_for(tiny_llama)
-    ids = [engine.add_request(t, params=params, priority=5) for t in texts]
+    ids = [engine.add_request(t, params=params, priority=0 if i == 0 else 5) for i, t in enumerate(texts)]
     engine.step()  # some work under way
     seqs = [engine.requests[i] for i in ids]
     before = [(s.num_computed_tokens, list(s.block_table), s.num_tokens) for s in seqs]
 
-    engine.announce_arrival(5)  # as urgent as the batch: no reason to stop it
+    engine.announce_arrival(5)  # nothing in the step is less urgent: no reason to stop it
     engine.step()
     assert engine.metrics()["interrupted_steps"] == 0
     engine.withdraw_arrival(5)
     before = [(s.num_computed_tokens, list(s.block_table), s.num_tokens) for s in seqs]
 
-    engine.announce_arrival(0)  # more urgent than everything running: the next step stops early
+    engine.announce_arrival(0)  # more urgent than some of the step (priority 5): it stops early
     assert engine.step() == []
     assert engine.metrics()["interrupted_steps"] == 1
     assert [(s.num_computed_tokens, s.block_table[:len(b)], s.num_tokens) for s, (_, b, _) in zip(seqs, before)] == \
