@@ -26,7 +26,7 @@ WORDS = ("hive colony brood queen worker drone nectar pollen honey comb frame wa
          "entrance guard robbing varroa mite inspection super winter spring summer autumn beekeeper smoke "
          "the a of and to in is was rose fell steady kg degrees percent alert normal check report hive7 "
          "12 3.5 2024 why how when colony's bees' calm busy loud quiet").split()
-SYSTEMS = ("engine", "engine-fp32", "engine-bs1", "hf", "llama-cpp")
+SYSTEMS = ("engine", "engine-torch-attn", "engine-fp32", "engine-bs1", "hf", "llama-cpp")
 
 
 @dataclass(slots=True)
@@ -190,10 +190,10 @@ def command(
     path = Path(model) if model else assets.ensure("smollm2-135m-q4")
     torch.set_num_threads(threads)
 
-    def engine_for(engine_dtype: str) -> Any:
+    def engine_for(engine_dtype: str, cpu_attention: str = "numba") -> Any:
         return LLMEngine(EngineConfig(model_path=path, dtype=engine_dtype, kv_cache_bytes=2 << 30,
                                       max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                                      num_threads=threads))
+                                      num_threads=threads, cpu_attention=cpu_attention))
 
     engines: dict[str, Any] = {}
     tokenizer = (engines.setdefault(dtype, engine_for(dtype))).tokenizer
@@ -203,11 +203,14 @@ def command(
     loads: dict[str, list[tuple[float, float]]] = {system: [] for system in chosen}
     for system in [s for r in range(rounds) for s in (chosen if r % 2 == 0 else chosen[::-1])]:
         load_before = os.getloadavg()[0]
-        n = len(work) if system in ("engine", "engine-fp32") else len(seq_work)
+        n = len(work) if system in ("engine", "engine-torch-attn", "engine-fp32") else len(seq_work)
         typer.echo(f"running {system} on {n} requests (load average {load_before:.1f}) ...")
         if system == "engine":
             res = run_engine(engines.setdefault(dtype, engine_for(dtype)), work, max_num_seqs)
             res.detail = f"continuous batching, {dtype}, max_num_seqs={max_num_seqs}, budget={budget}"
+        elif system == "engine-torch-attn":  # the A/B for the numba decode-attention kernel
+            res = run_engine(engines.setdefault("torch-attn", engine_for(dtype, "torch")), work, max_num_seqs)
+            res.detail = f"continuous batching, {dtype}, decode attention through the torch reference"
         elif system == "engine-fp32":
             res = run_engine(engines.setdefault("float32", engine_for("float32")), work, max_num_seqs)
             res.detail = f"continuous batching, float32, max_num_seqs={max_num_seqs}, budget={budget}"
