@@ -163,41 +163,34 @@ def _key_bytes(key: str | bytes | Path) -> bytes:
 
 def load_private_key(key: str | bytes | Path) -> Any:
     """An Ed25519 private key from a PEM (bytes, text or file), 64 hex characters (the raw seed) or a key object."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
-    if isinstance(key, Ed25519PrivateKey):
-        return key
-    data = _key_bytes(key).strip()
-    try:
-        if data.startswith(b"-----"):
-            loaded = serialization.load_pem_private_key(data, password=None)
-        else:
-            loaded = Ed25519PrivateKey.from_private_bytes(bytes.fromhex(data.decode()))
-    except (ValueError, TypeError, UnicodeDecodeError) as e:
-        raise ImageError("key", f"not an Ed25519 private key: {e}") from None
-    if not isinstance(loaded, Ed25519PrivateKey):
-        raise ImageError("key", f"not an Ed25519 private key: {type(loaded).__name__}")
-    return loaded
+    return _load_ed25519(key, private=True)
 
 
 def load_public_key(key: str | bytes | Path) -> Any:
     """An Ed25519 public key from 64 hex characters, a PEM (bytes, text or file) or a key object."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+    return _load_ed25519(key, private=False)
 
-    if isinstance(key, Ed25519PublicKey):
+
+def _load_ed25519(key: str | bytes | Path, private: bool) -> Any:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    cls: Any = ed25519.Ed25519PrivateKey if private else ed25519.Ed25519PublicKey
+    kind = "private" if private else "public"
+    if isinstance(key, cls):
         return key
     data = _key_bytes(key).strip()
     try:
         if data.startswith(b"-----"):
-            loaded = serialization.load_pem_public_key(data)
+            loaded = (serialization.load_pem_private_key(data, password=None) if private
+                      else serialization.load_pem_public_key(data))
         else:
-            loaded = Ed25519PublicKey.from_public_bytes(bytes.fromhex(data.decode()))
+            raw = bytes.fromhex(data.decode())
+            loaded = cls.from_private_bytes(raw) if private else cls.from_public_bytes(raw)
     except (ValueError, TypeError, UnicodeDecodeError) as e:
-        raise ImageError("key", f"not an Ed25519 public key: {e}") from None
-    if not isinstance(loaded, Ed25519PublicKey):
-        raise ImageError("key", f"not an Ed25519 public key: {type(loaded).__name__}")
+        raise ImageError("key", f"not an Ed25519 {kind} key: {e}") from None
+    if not isinstance(loaded, cls):
+        raise ImageError("key", f"not an Ed25519 {kind} key: {type(loaded).__name__}")
     return loaded
 
 
