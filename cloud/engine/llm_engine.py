@@ -150,8 +150,9 @@ class LLMEngine:
         next layer boundary and is discarded, so the newcomer is scheduled a partial step sooner:
         an urgent request never waits out a long low-priority prefill step. The partial work is
         redone later (it was never committed). The step that then starts the newcomer carries
-        nothing less urgent (see the scheduler), so equally urgent arrivals do not stop it. ``AsyncEngine`` announces every submission and
-        withdraws it once ``add_request`` has run, whatever its outcome.
+        nothing less urgent (see the scheduler), so equally urgent arrivals do not stop it.
+        ``AsyncEngine`` announces every submission and withdraws it once ``add_request`` has run,
+        whatever its outcome.
         """
         with self._announced_lock:
             self._announced.append(priority)

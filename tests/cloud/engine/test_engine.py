@@ -224,7 +224,6 @@ def test_an_announced_urgent_arrival_interrupts_a_less_urgent_step(tiny_llama: P
     ids = [engine.add_request(t, params=params, priority=0 if i == 0 else 5) for i, t in enumerate(texts)]
     engine.step()  # some work under way
     seqs = [engine.requests[i] for i in ids]
-    before = [(s.num_computed_tokens, list(s.block_table), s.num_tokens) for s in seqs]
 
     engine.announce_arrival(5)  # nothing in the step is less urgent: no reason to stop it
     engine.step()
@@ -235,8 +234,8 @@ def test_an_announced_urgent_arrival_interrupts_a_less_urgent_step(tiny_llama: P
     engine.announce_arrival(0)  # more urgent than some of the step (priority 5): it stops early
     assert engine.step() == []
     assert engine.metrics()["interrupted_steps"] == 1
-    assert [(s.num_computed_tokens, s.block_table[:len(b)], s.num_tokens) for s, (_, b, _) in zip(seqs, before)] == \
-        [(c, b, n) for c, b, n in before]  # nothing committed, no block lost
+    after = [(s.num_computed_tokens, s.block_table[:len(b)], s.num_tokens) for s, (_, b, _) in zip(seqs, before)]
+    assert after == before  # nothing committed, no block lost (the step may have grown the tables)
     urgent = engine.add_request("queen swarm", params=SamplingParams(max_tokens=3, ignore_eos=True), priority=0)
     engine.withdraw_arrival(0)
     outs = run_all(engine)
