@@ -6,11 +6,11 @@ prompt is computed. Cached: one earlier request left the system prompt's blocks 
 so only the question's tokens are computed. Greedy outputs must be identical both ways (the
 run fails otherwise). Cold and cached requests alternate, so machine noise hits both alike.
 
-The engine's step budget is the system prompt's length (1,024 tokens by default, also the
-engine's default budget), so a cold prompt is computed as the system prompt and then the
-question, over the cache: the same computation the cached request does for its question
-(with a system prompt that fills whole KV blocks, as 1,024 tokens do). The outputs are therefore bit-identical, and any
-difference is a bug. (With a budget that takes the whole prompt in one chunk, the question's
+The engine's step budget is the part of the system prompt that fills whole KV blocks (all
+1,024 tokens by default, also the engine's default budget): exactly what a cached request
+finds in the cache. So a cold prompt is computed as that part and then the rest, over the
+cache: the same computation the cached request does for its rest. The outputs are therefore
+bit-identical, and any difference is a bug. (With a budget that takes the whole prompt in one chunk, the question's
 attention runs through a different kernel call, and in bf16 that rounding flipped near-tie
 tokens in 1-2 of 8 requests.)
 """
@@ -40,8 +40,10 @@ def command(
     from bench.engine import WORDS
 
     path = Path(model) if model else assets.ensure("smollm2-135m-q4")
+    block_size = EngineConfig(model_path=path).block_size
+    cached_part = max(block_size, system_tokens // block_size * block_size)  # what the prefix cache can hold
     engine = LLMEngine(EngineConfig(model_path=path, dtype=dtype, num_threads=threads, kv_cache_bytes=1 << 30,
-                                    max_num_batched_tokens=system_tokens))
+                                    max_num_batched_tokens=cached_part))
     tok = engine.tokenizer
     rng = random.Random(0)
     system: list[int] = []
