@@ -235,7 +235,7 @@ class EscalationWorker:
         if not messages and req.prompt is None:
             raise RequestRejected("the request has neither messages, a prompt nor an event")
         if req.response_format == "json_action":
-            tok = getattr(self.engine, "engine", self.engine).tokenizer
+            tok = self.engine.tokenizer
             chat = tok.apply_chat_template(messages, add_generation_prompt=True) if messages else req.prompt
             out = await generate_action(self.engine, chat, max_tokens=req.max_tokens, temperature=req.temperature,
                                         priority=req.priority)

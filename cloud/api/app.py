@@ -104,5 +104,4 @@ def create_app(ctx: AppContext) -> FastAPI:
 
 
 def _engine_metrics(ctx: AppContext) -> dict[str, Any]:
-    engine = getattr(ctx.engine, "engine", ctx.engine)
-    return engine.metrics()
+    return ctx.engine.metrics()

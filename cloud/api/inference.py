@@ -102,7 +102,7 @@ def _max_tokens(ctx, body: _Request, prompt: Any, messages: list[dict] | None) -
         if body.max_tokens > limit:
             raise HTTPException(400, f"max_tokens {body.max_tokens} is over this server's limit of {limit}")
         return body.max_tokens
-    engine = getattr(ctx.engine, "engine", ctx.engine)
+    engine = ctx.engine
     tok = engine.tokenizer
     text = tok.apply_chat_template(messages, add_generation_prompt=True) if messages is not None else prompt
     used = len(tok.encode(text)) if isinstance(text, str) else len(text)

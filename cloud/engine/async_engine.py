@@ -1,9 +1,12 @@
 """Asyncio front of the engine for the REST and MQTT tiers: a background thread runs the step loop.
 
-Callers never touch the engine directly: submissions and aborts go through a command queue the
-loop thread drains before each step, and outputs come back to each caller's event loop through
-``call_soon_threadsafe``. A stream whose consumer goes away (cancelled task, closed generator)
-aborts its request, so a vanished client never keeps KV blocks.
+Callers never touch the engine directly (it is not thread-safe): submissions and aborts go
+through a command queue the loop thread drains before each step, and outputs come back to each
+caller's event loop through ``call_soon_threadsafe``. What callers need besides is here too:
+the tokenizer and chat template (immutable after load: safe from any thread), the model's
+limits, and a metrics snapshot the loop thread takes between steps. A stream whose consumer
+goes away (cancelled task, closed generator) aborts its request, so a vanished client never
+keeps KV blocks.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from cloud.engine.errors import EngineError
 from cloud.engine.llm_engine import LLMEngine
 from cloud.engine.outputs import RequestOutput
 from cloud.engine.sampling_params import SamplingParams
+from cloud.engine.tokenizer import Tokenizer
 
 
 @dataclass(slots=True)
@@ -29,7 +33,8 @@ class _Subscriber:
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+        self._engine = engine
+        self._snapshot: dict[str, Any] = engine.metrics()
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._subscribers: dict[str, _Subscriber] = {}
@@ -68,12 +73,14 @@ class AsyncEngine:
                         break
                 if self._stopped:
                     break
-                if not self.engine.has_unfinished():
+                if not self._engine.has_unfinished():
+                    self._snapshot = self._engine.metrics()
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
-                for out in self.engine.step():
+                for out in self._engine.step():
                     self._deliver(out.request_id, out)
+                self._snapshot = self._engine.metrics()
         except BaseException as e:  # a broken engine must not leave callers waiting forever
             self._error = e
             self._stopped = True
@@ -96,7 +103,30 @@ class AsyncEngine:
             sub.loop.call_soon_threadsafe(sub.queue.put_nowait, item)
         except RuntimeError:  # the caller's event loop is closed: nobody listens any more
             if isinstance(item, RequestOutput) and not item.finished:
-                self.engine.abort(request_id)
+                self._engine.abort(request_id)
+
+    # ------------------------------------------------------------ what callers need of the engine
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer and chat template (read-only after load, so safe from any thread)."""
+        return self._engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._engine.model_config.vocab_size
+
+    def prompt_token_ids(self, prompt: str | list[int] | None = None,
+                         messages: list[dict[str, Any]] | None = None) -> list[int]:
+        """The token ids the engine would run for ``prompt`` or chat ``messages`` (RequestRejected if bad).
+
+        Callers that need the length (to size ``max_tokens``) tokenize once here and submit the ids.
+        """
+        return self._engine.prompt_tokens(prompt, messages)
 
     # ------------------------------------------------------------ public API
 
@@ -114,14 +144,14 @@ class AsyncEngine:
 
         def add() -> str:  # on the loop thread, between steps: no output can slip past the subscription
             try:
-                rid = self.engine.add_request(prompt, messages=messages, params=params, priority=priority,
+                rid = self._engine.add_request(prompt, messages=messages, params=params, priority=priority,
                                               request_id=request_id)
             finally:
-                self.engine.withdraw_arrival(priority)
+                self._engine.withdraw_arrival(priority)
             self._subscribers[rid] = sub
             return rid
 
-        self.engine.announce_arrival(priority)  # a running step of less urgent work stops early
+        self._engine.announce_arrival(priority)  # a running step of less urgent work stops early
         await asyncio.wrap_future(self._call(add))
         finished = False
         try:
@@ -152,20 +182,20 @@ class AsyncEngine:
         """Cancel a request from any thread; its blocks are freed before the next step."""
         def drop() -> None:
             self._subscribers.pop(request_id, None)
-            self.engine.abort(request_id)
+            self._engine.abort(request_id)
 
         self._call(drop)
 
     def metrics(self) -> dict[str, Any]:
-        """Engine metrics, read on the loop thread between steps (blocks up to one step)."""
-        return self._call(self.engine.metrics).result()
+        """Engine metrics as of the last step (the loop thread takes the snapshot between steps; never blocks)."""
+        return dict(self._snapshot)
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
         """Stop the loop thread; requests still in flight are aborted and their streams end with an error."""
         if not self._stopped:
             def stop() -> None:
-                for rid in list(self.engine.requests):
-                    self.engine.abort(rid)
+                for rid in list(self._engine.requests):
+                    self._engine.abort(rid)
                 for rid in list(self._subscribers):
                     self._deliver(rid, EngineError("engine shut down"))
                 self._stopped = True

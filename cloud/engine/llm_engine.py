@@ -22,11 +22,14 @@ from cloud.engine.loader import Checkpoint, load_checkpoint
 from cloud.engine.metrics import EngineStats
 from cloud.engine.model_runner import ModelRunner
 from cloud.engine.outputs import RequestMetrics, RequestOutput
+from cloud.engine import sampling
+from cloud.engine.sampling import Row, TokenLogprob
 from cloud.engine.sampling_params import SamplingParams
 from cloud.engine.scheduler import Scheduler
 from cloud.engine.sequence import Sequence, SequenceStatus
 from cloud.engine.spec.draft import DraftProposer, parameter_count
 from cloud.engine.spec.speculator import Speculator
+from cloud.engine.structured import StructuredOutputs
 from cloud.engine.tokenizer import load_tokenizer
 
 
@@ -44,6 +47,8 @@ class LLMEngine:
         del checkpoint  # the float32 copy; the model holds its own (possibly bf16) weights
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, config.swap_space_bytes // self.runner.bytes_per_block)
+        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size)
+        self.stop_token_ids = sorted(self.tokenizer.stop_token_ids)
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self._arrivals = itertools.count()
@@ -68,6 +73,10 @@ class LLMEngine:
     def _generator_of(self, seq: Sequence) -> torch.Generator:
         return seq.generator or self.runner.generator
 
+    def _process(self, logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+        """The one logits processing of every sampling position (plain step, verification, draft)."""
+        return sampling.process(logits, rows, self.stop_token_ids, self.structured.bitmask(rows))
+
     # ------------------------------------------------------------ requests
 
     def add_request(self, prompt: str | list[int] | None = None, *, messages: list[dict[str, Any]] | None = None,
@@ -87,11 +96,14 @@ class LLMEngine:
             raise RequestRejected(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self.requests:
             raise RequestRejected(f"request_id {request_id!r} is already in use")
-        token_ids = self._prompt_tokens(prompt, messages)
+        token_ids = self.prompt_tokens(prompt, messages)
         total = len(token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise RequestRejected(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
                                   f"exceeds max_model_len {self.max_model_len}")
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in (*params.logit_bias, *params.stop_token_ids)):
+            raise RequestRejected(f"logit_bias and stop_token_ids take token ids below the vocabulary size {vocab}")
         needed = self.block_manager.blocks_for(total - 1)  # the last sampled token is never run
         if needed > self.block_manager.num_blocks:
             raise RequestRejected(f"request needs {needed} KV blocks but the whole pool has "
@@ -103,12 +115,14 @@ class LLMEngine:
                        num_prompt_tokens=len(token_ids), params=params, priority=priority,
                        metrics=RequestMetrics(arrival_time=time.monotonic()),
                        generator=None if params.seed is None else torch.Generator().manual_seed(params.seed))
+        self.structured.start(seq)  # compiles (cached) or refuses the grammar before the request is queued
         detokenizer.start(seq)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
 
-    def _prompt_tokens(self, prompt: str | list[int] | None, messages: list[dict[str, Any]] | None) -> list[int]:
+    def prompt_tokens(self, prompt: str | list[int] | None, messages: list[dict[str, Any]] | None) -> list[int]:
+        """The token ids of ``prompt`` (text or ids) or of chat ``messages`` rendered by the chat template."""
         if (prompt is None) == (messages is None):
             raise RequestRejected("give exactly one of prompt or messages")
         if messages is not None:
@@ -167,6 +181,7 @@ class LLMEngine:
         with self._announced_lock:
             return min(self._announced, default=math.inf)
 
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Schedule -> run -> postprocess. One output per request that produced tokens or finished."""
         outputs, self._pending = self._pending, []
@@ -185,7 +200,8 @@ class LLMEngine:
                 spec.preempted(seq)
             if batch.seqs:
                 plan = spec.extend_batch(batch, self.block_manager, self.max_model_len,
-                                         self.config.max_num_batched_tokens, self._generator_of)
+                                         self.config.max_num_batched_tokens, self._generator_of, self._process,
+                                         self.structured.valid_prefix)
         started = time.perf_counter()
         should_stop = None
         if plan is None and batch.seqs:  # (a speculative step keeps draft state: it always runs to the end)
@@ -194,12 +210,17 @@ class LLMEngine:
             most_lenient = max(s.urgency[0] for s in batch.seqs)
             should_stop = lambda: self._most_urgent_announced() < most_lenient  # noqa: E731
         try:
-            sampled, spec_logits = self.runner.execute(batch, plan.seqs if plan else [], should_stop)
+            sampled, logits, spec_logits = self.runner.execute(batch, plan.seqs if plan else [], should_stop)
         except StepInterrupted:
             # Nothing was committed: the same sequences keep their blocks and are scheduled again.
             self.stats.interrupted_steps += 1
             return outputs
-        verdicts = spec.verify(plan, spec_logits, [self._generator_of(s) for s in plan.seqs]) if plan else []
+        if sampled:
+            rows = [Row(s) for s in sampled]
+            tokens, logprobs = sampling.sample(logits, rows, [self._generator_of(s) for s in sampled],
+                                               self.stop_token_ids, self.structured.bitmask(rows))
+        verdicts = (spec.verify(plan, spec_logits, [self._generator_of(s) for s in plan.seqs], self._process)
+                    if plan else [])
         if spec is not None and batch.seqs and all(n == 1 or s in batch.spec_tokens
                                                    for s, n in zip(batch.seqs, batch.num_new_tokens)):
             spec.observe_step(batch.num_tokens, time.perf_counter() - started)  # decode-only steps teach the policy
@@ -210,8 +231,8 @@ class LLMEngine:
             if seq not in batch.spec_tokens:
                 seq.num_computed_tokens += n
                 self.block_manager.commit(seq)
-        for seq, token in sampled.items():
-            outputs.append(self._append_tokens(seq, [token], now)[0])
+        for i, seq in enumerate(sampled):
+            outputs.append(self._append_tokens(seq, [tokens[i]], now, [logprobs[i]])[0])
         if plan:
             emitted = []
             for seq, verdict in zip(plan.seqs, verdicts):
@@ -219,7 +240,7 @@ class LLMEngine:
                 valid = seq.num_computed_tokens + 1 + verdict.num_accepted
                 self.block_manager.truncate(seq, valid)
                 seq.num_computed_tokens = valid
-                out, n = self._append_tokens(seq, verdict.tokens, now)
+                out, n = self._append_tokens(seq, verdict.tokens, now, verdict.logprobs)
                 if not seq.finished:
                     self.block_manager.commit(seq)
                 outputs.append(out)
@@ -233,18 +254,27 @@ class LLMEngine:
                              self.config.block_size, self.max_model_len)
         return outputs
 
-    def _append_tokens(self, seq: Sequence, tokens: list[int], now: float) -> tuple[RequestOutput, int]:
-        """Append generated ``tokens`` one by one until one finishes the request; (its output, tokens kept)."""
+    def _append_tokens(self, seq: Sequence, tokens: list[int], now: float,
+                       logprobs: list[TokenLogprob | None] | None = None) -> tuple[RequestOutput, int]:
+        """Append generated ``tokens`` one by one until one finishes the request; (its output, tokens kept).
+
+        A structured request's matcher consumes each kept token; it finishes when its grammar is complete.
+        """
         params = seq.params
         reason = None
         kept = 0
-        for token in tokens:
+        first_logprob = len(seq.logprobs)
+        for j, token in enumerate(tokens):
             seq.token_ids.append(token)
             kept += 1
+            if logprobs and logprobs[j] is not None:
+                seq.logprobs.append(logprobs[j])
             self.stats.generated_tokens += 1
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
-            if token in params.stop_token_ids or (not params.ignore_eos and token in self.tokenizer.stop_token_ids):
+            complete = self.structured.accept(seq, token)
+            if (token in params.stop_token_ids or (not params.ignore_eos and token in self.tokenizer.stop_token_ids)
+                    or (complete and token in self.stop_token_ids)):
                 reason = "stop"
                 detokenizer.update_text(self.tokenizer, seq, final=True, end=seq.num_tokens - 1)  # stop token not shown
             else:
@@ -252,7 +282,7 @@ class LLMEngine:
                 if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
                     reason = "length"
                 detokenizer.update_text(self.tokenizer, seq, final=reason is not None)
-                if params.stop and detokenizer.find_stop(seq, searched_from):
+                if (params.stop and detokenizer.find_stop(seq, searched_from)) or complete:
                     reason = "stop"
             if reason is not None:
                 break
@@ -261,7 +291,9 @@ class LLMEngine:
             self.scheduler.remove(seq)
             self._finish(seq, reason, now)
             self._finished[seq.request_id] = seq
-        return self._output(seq, tokens[:kept], detokenizer.release(seq, final=reason is not None)), kept
+        out = self._output(seq, tokens[:kept], detokenizer.release(seq, final=reason is not None))
+        out.new_logprobs = seq.logprobs[first_logprob:]
+        return out, kept
 
     def _finish(self, seq: Sequence, reason: str, now: float | None = None) -> None:
         seq.status = SequenceStatus.FINISHED
@@ -273,7 +305,7 @@ class LLMEngine:
         return RequestOutput(request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
                              output_token_ids=seq.output_token_ids, new_token_ids=new_tokens,
                              text=seq.text[:seq.released], text_delta=delta, finished=seq.finished,
-                             finish_reason=seq.finish_reason, metrics=seq.metrics)
+                             finish_reason=seq.finish_reason, metrics=seq.metrics, logprobs=list(seq.logprobs))
 
     # ------------------------------------------------------------ conveniences
 

@@ -12,7 +12,6 @@ from cloud.engine.errors import EngineError
 from cloud.engine import host_memory
 from cloud.engine.loader import Checkpoint
 from cloud.engine.model import AttentionMetadata, LlamaModel, paged_layout
-from cloud.engine.sampler import sample
 from cloud.engine.scheduler import ScheduledBatch
 from cloud.engine.sequence import Sequence
 
@@ -90,17 +89,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, verify: list[Sequence] = (),
-                should_stop: Callable[[], bool] | None = None) -> tuple[dict[Sequence, int], torch.Tensor | None]:
-        """Run ``batch``; return the sampled next token of every sequence whose known tokens are now all
-        computed, and for the speculating sequences ``verify`` (in that order) the logits of all their
-        positions, last real token and draft tokens (``[sum(k_i + 1), vocab]``; None if there are none).
+                should_stop: Callable[[], bool] | None = None
+                ) -> tuple[list[Sequence], torch.Tensor | None, torch.Tensor | None]:
+        """Run ``batch``; return the sequences whose known tokens are now all computed (they sample their
+        next token) with their next-token logits ``[n, vocab]``, and for the speculating sequences
+        ``verify`` (in that order) the logits of all their positions, last real token and draft tokens
+        (``[sum(k_i + 1), vocab]``; None if there are none).
         ``should_stop``: see ``LlamaModel.forward`` (raises ``StepInterrupted``; nothing is sampled)."""
         for seq, blocks in batch.swap_out:
             self.swap_out(seq, blocks)
         for seq, blocks in batch.swap_in:
             self.swap_in(seq, blocks)
         if not batch.seqs:
-            return {}, None
+            return [], None, None
         input_ids, positions, meta, last_rows = self.prepare(batch)
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, should_stop)
         sampled = [s for s, row in zip(batch.seqs, last_rows) if row >= 0]
@@ -110,9 +111,8 @@ class ModelRunner:
             rows = [r for s in verify for r in range(end[s] - 1 - len(batch.spec_tokens[s]), end[s])]
             spec_logits = self.model.logits(hidden[rows])
         if not sampled:
-            return {}, spec_logits
-        logits = self.model.logits(hidden[[row for row in last_rows if row >= 0]])
-        return dict(zip(sampled, sample(logits, sampled, self.generator))), spec_logits
+            return [], None, spec_logits
+        return sampled, self.model.logits(hidden[[row for row in last_rows if row >= 0]]), spec_logits
 
     @torch.inference_mode()
     def forward_logits(self, batch: ScheduledBatch) -> torch.Tensor:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -41,3 +41,6 @@ class RequestOutput:
     finished: bool
     finish_reason: FinishReason | None
     metrics: RequestMetrics = field(repr=False)
+    # sampling.TokenLogprob per output token (all so far) and for this step's tokens; empty unless asked for
+    logprobs: list[Any] = field(default_factory=list, repr=False)
+    new_logprobs: list[Any] = field(default_factory=list, repr=False)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -36,6 +37,8 @@ class Sequence:
     num_swapped_blocks: int = 0  # blocks of K/V parked in host memory (swap-mode preemption)
     swapped_kv: torch.Tensor | None = None  # that host copy, filled by the model runner
     finish_reason: FinishReason | None = None
+    grammar: Any = None  # the llguidance matcher of a structured request (see cloud.engine.structured)
+    logprobs: list[Any] = field(default_factory=list)  # per output token, sampling.TokenLogprob when asked for
     # Incremental detokenization and stop-string state.
     text: str = ""  # decoded output, stop string cut off
     released: int = 0  # characters of `text` already handed out

@@ -36,7 +36,7 @@ def test_unusable_answer_is_reported_not_invented(cloud_engine):
     """On the real model: an off-topic chat names no assessment; without voting that is an error, never a guess."""
     from shared.prompting import SYSTEM_PROMPT
 
-    chat = cloud_engine.engine.tokenizer.apply_chat_template(
+    chat = cloud_engine.tokenizer.apply_chat_template(
         [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "Say hello to the beekeeper."}])
     out = asyncio.run(generate_action(cloud_engine, chat, max_tokens=32, vote_samples=0))
     assert out.action is None and "none of" in out.error and "heat_stress" in out.error

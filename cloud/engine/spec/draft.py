@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -25,10 +26,14 @@ from cloud.engine.model import LlamaModel
 from cloud.engine.outputs import RequestMetrics
 from cloud.engine.sequence import Sequence
 from cloud.engine.spec.batching import Entry, build_inputs
-from cloud.engine.spec.probs import draw, sampling_probs
+from cloud.engine.sampling import Row, draw, sampling_probs
 
 
 CATCH_UP_TOKENS = 512
+
+# The engine's logits processing (penalties, grammar mask, ...) for rows of raw logits: the draft's
+# distribution must go through the same transforms as the target's for speculation to stay lossless.
+ProcessFn = Callable[[torch.Tensor, list[Row]], torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -135,8 +140,10 @@ class DraftProposer:
     # ------------------------------------------------------------ proposing
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], ks: list[int], generators: list[torch.Generator]) -> DraftProposal:
-        """Up to ``ks[i]`` draft tokens for each ``seqs[i]`` (fewer when the draft cache is full)."""
+    def propose(self, seqs: list[Sequence], ks: list[int], generators: list[torch.Generator],
+                process: ProcessFn | None = None) -> DraftProposal:
+        """Up to ``ks[i]`` draft tokens for each ``seqs[i]`` (fewer when the draft cache is full), each drawn
+        from the draft's logits after ``process`` (the engine's own processing; none when None)."""
         ks = list(ks)
         tokens: list[list[int]] = [[] for _ in seqs]
         k_max = max(ks, default=0)
@@ -174,7 +181,9 @@ class DraftProposer:
                 break
             inputs = build_inputs(entries, self.block_size, self.model.device)
             hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
-            logits = self.model.logits(hidden[inputs.last_rows])
+            logits = self.model.logits(hidden[inputs.last_rows]).float()
+            if process is not None:
+                logits = process(logits, [Row(seqs[i], tuple(tokens[i])) for i in rows])
             chosen = logits.argmax(dim=-1)
             pick = [j for j, i in enumerate(rows) if not seqs[i].params.greedy]
             if pick:

@@ -17,13 +17,14 @@ from dataclasses import dataclass
 import torch
 
 from cloud.engine.sampling_params import SamplingParams
-from cloud.engine.spec.probs import draw, sampling_probs
+from cloud.engine.sampling import TokenLogprob, draw, sampling_probs
 
 
 @dataclass(slots=True)
 class Verdict:
     tokens: list[int]  # the accepted draft tokens, then the target's own token: 1..k+1 tokens
     num_accepted: int  # draft tokens kept
+    logprobs: list[TokenLogprob | None] | None = None  # per token, for requests that asked (set by the speculator)
 
 
 def accepted(p_x: torch.Tensor, q_x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -47,7 +48,8 @@ def verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor, num_draft: t
            generators: list[torch.Generator]) -> list[Verdict]:
     """Verify a padded batch of proposals.
 
-    target_logits ``[B, K+1, V]``: the target at each draft position and one past the last;
+    target_logits ``[B, K+1, V]``: the target at each draft position and one past the last, already
+    through ``sampling.process`` (penalties, grammar mask: what the plain step applies too);
     draft_tokens ``[B, K]`` (int64, padding arbitrary), num_draft ``[B]`` (0..K, rows may differ);
     draft_probs ``[B, K, V]`` the draft's distributions under the same sampling transforms, or
     None for point-mass proposals. Rows past ``num_draft[b]`` are ignored.

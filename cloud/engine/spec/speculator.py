@@ -19,7 +19,8 @@ from cloud.engine.errors import EngineError
 from cloud.engine.scheduler import ScheduledBatch
 from cloud.engine.sequence import Sequence
 from cloud.engine.spec.config import METHODS, SpeculativeConfig
-from cloud.engine.spec.draft import DraftProposer
+from cloud.engine.sampling import Row, logprobs_of
+from cloud.engine.spec.draft import DraftProposer, ProcessFn
 from cloud.engine.spec.ngram import NgramProposer
 from cloud.engine.spec.policy import AdaptivePolicy, StepCosts
 from cloud.engine.spec.rejection import Verdict, verify
@@ -81,10 +82,14 @@ class Speculator:
         self.costs.observe(num_tokens, seconds)
 
     def plan(self, seqs: list[Sequence], limits: list[int], num_tokens: int,
-             generators: list[torch.Generator]) -> SpecPlan:
+             generators: list[torch.Generator], process: ProcessFn | None = None,
+             valid_prefix: Callable[[Sequence, list[int]], int] | None = None) -> SpecPlan:
         """Proposals for the decoding ``seqs`` of a step that runs ``num_tokens`` tokens without them;
         ``limits[i]``: the most draft tokens ``seqs[i]`` may take (before max_tokens / max_model_len).
-        Empty when speculation does not pay."""
+        Empty when speculation does not pay. ``process``: the engine's logits processing, which the
+        draft model samples through; ``valid_prefix(seq, tokens)``: how many leading proposed tokens
+        the sequence's grammar allows (proposals are cut there: a token the grammar forbids would
+        be rejected anyway, so cutting it changes no output)."""
         plan = SpecPlan(self.method)
         stats = self.stats[self.method]
         if not self.enabled or not seqs:
@@ -98,12 +103,17 @@ class Speculator:
             return plan
         if self.method == "ngram":
             drafts = [self.ngram.propose(s, s.token_ids, k) for s, k in zip(seqs, ks)]
+            if valid_prefix is not None:  # a draft model samples under the grammar mask already
+                for s, d in zip(seqs, drafts):
+                    if d and s.params.structured is not None:
+                        del d[valid_prefix(s, d):]
             probs = None
         else:
             assert self.draft is not None
             idx = [i for i, k in enumerate(ks) if k > 0]
             start = time.perf_counter()
-            proposal = self.draft.propose([seqs[i] for i in idx], [ks[i] for i in idx], [generators[i] for i in idx])
+            proposal = self.draft.propose([seqs[i] for i in idx], [ks[i] for i in idx], [generators[i] for i in idx],
+                                          process)
             self.costs.observe_draft(max(ks), time.perf_counter() - start)
             drafts = [[] for _ in seqs]
             for j, i in enumerate(idx):
@@ -120,7 +130,9 @@ class Speculator:
         return plan
 
     def extend_batch(self, batch: ScheduledBatch, block_manager: BlockManager, max_model_len: int,
-                     max_num_batched_tokens: int, generator_of: Callable[[Sequence], torch.Generator]) -> SpecPlan:
+                     max_num_batched_tokens: int, generator_of: Callable[[Sequence], torch.Generator],
+                     process: ProcessFn | None = None,
+                     valid_prefix: Callable[[Sequence, list[int]], int] | None = None) -> SpecPlan:
         """Speculate inside a scheduled batch: propose for its decoding sequences, give each verifying
         sequence KV slots for its k extra tokens, and reorder the batch (plain decodes, then
         verifications, then prefill chunks) with ``batch.spec_tokens`` set. Proposals that find no
@@ -132,7 +144,7 @@ class Speculator:
                 seqs.append(seq)
                 limits.append(max(0, min(seq.params.max_tokens - seq.num_output_tokens - 1,
                                          max_model_len - seq.num_tokens - 1)))
-        plan = self.plan(seqs, limits, batch.num_tokens, [generator_of(s) for s in seqs])
+        plan = self.plan(seqs, limits, batch.num_tokens, [generator_of(s) for s in seqs], process, valid_prefix)
         bm, budget, i = block_manager, max_num_batched_tokens - batch.num_tokens, 0
         while i < len(plan.seqs):
             seq, draft = plan.seqs[i], plan.drafts[i]
@@ -166,8 +178,13 @@ class Speculator:
         if plan.draft_probs is not None:
             plan.draft_probs = torch.cat((plan.draft_probs[:index], plan.draft_probs[index + 1:]))
 
-    def verify(self, plan: SpecPlan, target_logits: torch.Tensor, generators: list[torch.Generator]) -> list[Verdict]:
-        """``target_logits`` ``[sum(k_i + 1), V]``: each planned sequence's k_i + 1 rows, in plan order."""
+    def verify(self, plan: SpecPlan, target_logits: torch.Tensor, generators: list[torch.Generator],
+               process: ProcessFn | None = None) -> list[Verdict]:
+        """``target_logits`` ``[sum(k_i + 1), V]`` (raw): each planned sequence's k_i + 1 rows, in plan order.
+
+        Each row goes through ``process`` as the position it scores (the sequence plus the drafts
+        before it), so penalties and grammar masks see exactly what a plain step would have seen.
+        """
         ks = [len(d) for d in plan.drafts]
         k_max = max(ks)
         starts, total = [], 0
@@ -176,12 +193,27 @@ class Speculator:
             total += k + 1
         if total != target_logits.shape[0]:
             raise EngineError(f"verification got {target_logits.shape[0]} logit rows for {total} positions")
+        rows = [Row(s, tuple(d[:j])) for s, d in zip(plan.seqs, plan.drafts) for j in range(len(d) + 1)]
+        logits = target_logits.float()
+        if process is not None:
+            logits = process(logits, rows)
         index = torch.tensor([[s + min(j, k) for j in range(k_max + 1)] for s, k in zip(starts, ks)],
-                             device=target_logits.device)
-        padded = target_logits[index]  # [B, K+1, V]; rows past a sequence's k repeat its last row (ignored)
+                             device=logits.device)
+        padded = logits[index]  # [B, K+1, V]; rows past a sequence's k repeat its last row (ignored)
         draft_tokens = torch.tensor([d + [0] * (k_max - len(d)) for d in plan.drafts], dtype=torch.long)
         probs = None if plan.draft_probs is None else plan.draft_probs[:, :k_max]  # drafts may have been trimmed
-        return verify(padded, draft_tokens, torch.tensor(ks), probs, [s.params for s in plan.seqs], generators)
+        verdicts = verify(padded, draft_tokens, torch.tensor(ks), probs, [s.params for s in plan.seqs], generators)
+        want = [b for b, s in enumerate(plan.seqs) if s.params.logprobs is not None]
+        if want:  # each emitted token's logprobs at its own position
+            at = [starts[b] + j for b in want for j in range(len(verdicts[b].tokens))]
+            toks = [t for b in want for t in verdicts[b].tokens]
+            lps = logprobs_of(logits[at], [rows[i].params for i in at], toks)
+            n = 0
+            for b in want:
+                m = len(verdicts[b].tokens)
+                verdicts[b].logprobs = lps[n:n + m]
+                n += m
+        return verdicts
 
     def record(self, plan: SpecPlan, verdicts: list[Verdict], num_emitted: list[int]) -> None:
         """After the engine appended the verdicts' tokens (``num_emitted[i]`` of them, fewer if a stop hit):

@@ -79,7 +79,7 @@ def test_client_going_away_aborts_and_frees_blocks(async_engine: AsyncEngine) ->
 
     assert asyncio.run(leave_after_two("left")) == 2
     asyncio.run(cancelled_task())
-    engine = async_engine.engine
+    engine = async_engine._engine
     assert wait_until(lambda: async_engine.metrics()["kv_blocks_used"] == 0)
     assert "left" not in engine.requests and "cancelled" not in engine.requests
     assert async_engine.metrics()["requests_aborted"] == 2
@@ -127,7 +127,7 @@ def test_shutdown_ends_streams_and_refuses_new_work(tiny_llama: Path) -> None:
 
     asyncio.run(main())
     assert not engine._thread.is_alive()
-    assert engine.engine.block_manager.num_free_blocks == engine.engine.block_manager.num_blocks
+    assert engine._engine.block_manager.num_free_blocks == engine._engine.block_manager.num_blocks
 
 
 def test_duplicate_request_id_is_rejected_without_hurting_the_original(async_engine: AsyncEngine) -> None:
@@ -155,4 +155,4 @@ def test_submissions_are_announced_until_added_even_when_refused(async_engine: A
         return ok
 
     assert asyncio.run(main())[-1].finished
-    assert async_engine.engine._most_urgent_announced() == float("inf")
+    assert async_engine._engine._most_urgent_announced() == float("inf")

@@ -20,7 +20,7 @@ import torch
 from cloud.engine import AsyncEngine, EngineConfig, EngineError, LLMEngine, SamplingParams, SpeculativeConfig
 from cloud.engine.spec import rejection
 from cloud.engine.spec.batching import Entry, build_inputs
-from cloud.engine.spec.probs import sampling_probs
+from cloud.engine.sampling import sampling_probs
 from tests.cloud.engine.test_speculative_units import chi_square_pvalue, tiny_weights
 from cloud.engine.config import ModelConfig
 

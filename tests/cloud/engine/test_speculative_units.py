@@ -131,15 +131,15 @@ def test_residual_of_identical_distributions_falls_back_to_p() -> None:
 
 def test_sampling_probs_match_the_engine_sampler() -> None:
     """top-k / top-p masks and temperature as the engine's sampler applies them (empirically, same seed noise)."""
-    from cloud.engine.sampler import sample
-    from cloud.engine.spec.probs import sampling_probs
+    from cloud.engine.sampling import Row, sample, sampling_probs
 
     logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(5)) * 2
     params = SamplingParams(temperature=1.5, top_k=6, top_p=0.9, seed=0)
     probs = sampling_probs(logits, [params])[0]
     assert 3 <= int((probs > 0).sum()) <= 6  # both masks bite
     seq = Sequence("r", 0, [0], 1, params, 0, RequestMetrics(0.0), generator=torch.Generator().manual_seed(0))
-    counts = torch.bincount(torch.tensor([sample(logits, [seq], torch.Generator())[0] for _ in range(4000)]),
+    counts = torch.bincount(torch.tensor([sample(logits.clone(), [Row(seq)], [seq.generator])[0][0]
+                                          for _ in range(4000)]),
                             minlength=VOCAB)
     assert set(torch.nonzero(counts).flatten().tolist()) <= set(torch.nonzero(probs).flatten().tolist())
     assert chi_square_pvalue(counts, probs) > 1e-3
