@@ -107,14 +107,10 @@ def process(logits: torch.Tensor, rows: Seq[Row], stop_token_ids: Seq[int] = (),
     vocab = logits.shape[-1]
     dev = logits.device
     for i, row in enumerate(rows):
-        p = row.params
-        if p.min_tokens and row.num_output_tokens < p.min_tokens:
-            stops = [t for t in (*stop_token_ids, *p.stop_token_ids) if t < vocab]
-            if stops:
-                logits[i, stops] = NEG_INF
-        if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), device=dev)
-            logits[i].index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), device=dev, dtype=logits.dtype))
+        bias = row.params.logit_bias
+        if bias:
+            ids = torch.tensor(list(bias), device=dev)
+            logits[i].index_add_(0, ids, torch.tensor(list(bias.values()), device=dev, dtype=logits.dtype))
     rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
     if rep:
         seen = _counts(rows, rep, vocab, dev, prompt=True) > 0
@@ -135,15 +131,17 @@ def process(logits: torch.Tensor, rows: Seq[Row], stop_token_ids: Seq[int] = (),
     for proc, index in groups.values():
         logits[index] = proc(logits[index], [rows[i].output_token_ids() for i in index]).to(logits.dtype)
     if bitmask is not None:
-        before = logits.clone() if any(r.params.min_tokens for r in rows) else None
         apply_bitmask(logits, bitmask)
-        if before is not None:
-            # min_tokens must not leave a row nothing to say (e.g. the grammar allows only the end):
-            # such a row keeps what the grammar allows.
-            dead = torch.isneginf(logits).all(dim=-1)
-            if bool(dead.any()):
-                redo = before[dead]
-                logits[dead] = apply_bitmask(redo.clone(), bitmask[dead.to(bitmask.device)])
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.min_tokens and row.num_output_tokens < p.min_tokens:
+            stops = [t for t in (*stop_token_ids, *p.stop_token_ids) if t < vocab]
+            if stops:
+                # Never leave a row nothing to say (say the grammar allows only the end): the end wins then.
+                kept = logits[i, stops].clone()
+                logits[i, stops] = NEG_INF
+                if bool(torch.isneginf(logits[i]).all()):
+                    logits[i, stops] = kept
     return logits
 
 

@@ -114,6 +114,11 @@ class StructuredOutputs:
             raise RequestRejected(f"the output so far does not match the {spec.kind}")
         seq.grammar = matcher
 
+    def valid_prefix_of(self, spec: StructuredOutput, tokens: list[int]) -> bool:
+        """Whether ``tokens`` are a prefix of some output that ``spec`` allows (checks, tests)."""
+        matcher = _llguidance().LLMatcher(self._ll(), self.compile(spec), log_level=0)
+        return matcher.validate_tokens(tokens) == len(tokens)
+
     def accept(self, seq: Sequence, token: int) -> bool:
         """Consume ``token`` (kept this step); True when the grammar is now complete (the request is done)."""
         m = seq.grammar
