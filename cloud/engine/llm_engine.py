@@ -10,7 +10,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Sequence as Seq
+from typing import Any, Callable, Sequence as Seq
 
 import torch
 
@@ -25,10 +25,10 @@ from cloud.engine.outputs import RequestMetrics, RequestOutput
 from cloud.engine import sampling
 from cloud.engine.sampling import Row, TokenLogprob
 from cloud.engine.sampling_params import SamplingParams
-from cloud.engine.scheduler import Scheduler
+from cloud.engine.scheduler import ScheduledBatch, Scheduler, SpeculationHooks
 from cloud.engine.sequence import Sequence, SequenceStatus
 from cloud.engine.spec.draft import DraftProposer, parameter_count
-from cloud.engine.spec.speculator import Speculator
+from cloud.engine.spec.speculator import SpecPlan, Speculator
 from cloud.engine.structured import StructuredOutputs
 from cloud.engine.tokenizer import load_tokenizer
 
@@ -47,6 +47,8 @@ class LLMEngine:
         del checkpoint  # the float32 copy; the model holds its own (possibly bf16) weights
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, config.swap_space_bytes // self.runner.bytes_per_block)
+        if self.speculator is not None:
+            self.scheduler.speculation = SpeculationHooks(propose=self._propose, preempted=self.speculator.preempted)
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size)
         self.stop_token_ids = sorted(self.tokenizer.stop_token_ids)
         self.requests: dict[str, Sequence] = {}
@@ -72,6 +74,13 @@ class LLMEngine:
 
     def _generator_of(self, seq: Sequence) -> torch.Generator:
         return seq.generator or self.runner.generator
+
+    def _propose(self, batch: ScheduledBatch) -> SpecPlan:
+        """Scheduler hook: speculative proposals for the batch's decodes, with KV slots reserved for them."""
+        assert self.speculator is not None
+        return self.speculator.extend_batch(batch, self.block_manager, self.max_model_len,
+                                            self.config.max_num_batched_tokens, self._generator_of, self._process,
+                                            self.structured.valid_prefix)
 
     def _process(self, logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
         """The one logits processing of every sampling position (plain step, verification, draft)."""
@@ -185,7 +194,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule -> run -> postprocess. One output per request that produced tokens or finished."""
         outputs, self._pending = self._pending, []
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule()  # with speculation: proposals and their KV slots (scheduler hooks)
         if not batch.seqs and not batch.swap_out:
             return outputs
         now = time.monotonic()
@@ -193,28 +202,32 @@ class LLMEngine:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
                 self.stats.record_admission(seq)
-        spec = self.speculator
-        plan = None
-        if spec is not None:
-            for seq in batch.preempted:
-                spec.preempted(seq)
-            if batch.seqs:
-                plan = spec.extend_batch(batch, self.block_manager, self.max_model_len,
-                                         self.config.max_num_batched_tokens, self._generator_of, self._process,
-                                         self.structured.valid_prefix)
+        plan = batch.spec_plan
         started = time.perf_counter()
-        should_stop = None
-        if plan is None and batch.seqs:  # (a speculative step keeps draft state: it always runs to the end)
-            # Stop if the newcomer is more urgent than some of this step's work; the more urgent part of
-            # it (say an earlier urgent request's decode) runs again in the very next step.
-            most_lenient = max(s.urgency[0] for s in batch.seqs)
-            should_stop = lambda: self._most_urgent_announced() < most_lenient  # noqa: E731
         try:
-            sampled, logits, spec_logits = self.runner.execute(batch, plan.seqs if plan else [], should_stop)
+            sampled, logits, spec_logits = self.runner.execute(batch, plan.seqs if plan else [],
+                                                               self._stop_rule(batch))
         except StepInterrupted:
             # Nothing was committed: the same sequences keep their blocks and are scheduled again.
             self.stats.interrupted_steps += 1
             return outputs
+        outputs += self._postprocess(batch, sampled, logits, spec_logits, time.perf_counter() - started)
+        return outputs
+
+    def _stop_rule(self, batch: ScheduledBatch) -> Callable[[], bool] | None:
+        """When a running step should stop early: a newcomer is more urgent than some of its work (the more
+        urgent part, say an earlier urgent request's decode, runs again in the very next step). A
+        speculative step keeps draft state, so it always runs to the end."""
+        if batch.spec_plan or not batch.seqs:
+            return None
+        most_lenient = max(s.urgency[0] for s in batch.seqs)
+        return lambda: self._most_urgent_announced() < most_lenient
+
+    def _postprocess(self, batch: ScheduledBatch, sampled: list[Sequence], logits: torch.Tensor | None,
+                     spec_logits: torch.Tensor | None, seconds: float) -> list[RequestOutput]:
+        """Sample, verify proposals, commit K/V and append tokens; outputs of this step."""
+        outputs = []
+        spec, plan = self.speculator, batch.spec_plan
         if sampled:
             rows = [Row(s) for s in sampled]
             tokens, logprobs = sampling.sample(logits, rows, [self._generator_of(s) for s in sampled],
@@ -223,7 +236,7 @@ class LLMEngine:
                     if plan else [])
         if spec is not None and batch.seqs and all(n == 1 or s in batch.spec_tokens
                                                    for s, n in zip(batch.seqs, batch.num_new_tokens)):
-            spec.observe_step(batch.num_tokens, time.perf_counter() - started)  # decode-only steps teach the policy
+            spec.observe_step(batch.num_tokens, seconds)  # decode-only steps teach the policy
         now = time.monotonic()
         self.stats.steps += 1
         self.stats.computed_tokens += batch.num_tokens

@@ -6,8 +6,9 @@ proposals. Lossless speculation needs the target and the draft under *the same* 
 so there is exactly one copy of them. In order, as vLLM applies them:
 
 1. ``process``: per-request logits processors, batched (one call per step for all rows that
-   carry them): ``min_tokens`` (stop tokens masked), ``logit_bias``, repetition / presence /
-   frequency penalties, the caller's own processors, then the grammar's allowed-token bitmask.
+   carry them): ``logit_bias``, repetition / presence / frequency penalties, the caller's own
+   processors, the grammar's allowed-token bitmask, then ``min_tokens`` (end tokens masked,
+   unless that would leave the row nothing: a complete grammar allows only the end).
 2. temperature (greedy rows keep their logits; their argmax is the token).
 3. ``probs``: top-k, top-p, min-p truncation, softmax.
 4. ``draw``: the exponential race (argmax of p / E, E ~ Exp(1)) draws from p exactly, each row

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from cloud.engine.block_manager import BlockManager
 from cloud.engine.config import EngineConfig
@@ -35,10 +36,21 @@ class ScheduledBatch:
     swap_in: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # then copy host K/V into these
     # Speculative verification: these decoding sequences run their last token plus these draft tokens.
     spec_tokens: dict[Sequence, list[int]] = field(default_factory=dict)
+    spec_plan: Any = None  # the speculator's SpecPlan for this step (None: no speculation)
 
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
+
+
+@dataclass(slots=True)
+class SpeculationHooks:
+    """How the scheduler involves a speculative decoder: ``propose`` turns a scheduled batch's decodes into
+    verifications (reserving their KV slots, setting ``spec_tokens``) and returns the plan;
+    ``preempted`` tells it a sequence lost its blocks (its draft state goes too)."""
+
+    propose: Callable[[ScheduledBatch], Any]
+    preempted: Callable[[Sequence], None]
 
 
 class Scheduler:
@@ -50,6 +62,7 @@ class Scheduler:
         self.swap_capacity_blocks = swap_capacity_blocks if config.preemption_mode == "swap" else 0
         self.swap_used_blocks = 0
         self.num_preemptions = 0
+        self.speculation: SpeculationHooks | None = None
 
     def add(self, seq: Sequence) -> None:
         bisect.insort(self.waiting, seq, key=_urgency)
@@ -83,6 +96,8 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.metrics.preemptions += 1
         self.num_preemptions += 1
+        if self.speculation is not None:
+            self.speculation.preempted(seq)
         batch.preempted.append(seq)
         bisect.insort(self.waiting, seq, key=_urgency)
 
@@ -174,4 +189,7 @@ class Scheduler:
         batch.seqs = [s for s, _ in order]
         batch.num_new_tokens = [n for _, n in order]
         batch.num_decodes = sum(1 for n in batch.num_new_tokens if n == 1)
+        if self.speculation is not None and batch.seqs:
+            plan = self.speculation.propose(batch)
+            batch.spec_plan = plan if plan else None
         return batch
