@@ -28,7 +28,10 @@ from cloud.store import Store
 DESCRIPTION = """Apiary Mesh cloud tier.
 
 * **inference** scope: OpenAI-compatible `/v1/chat/completions`, `/v1/completions`, `/v1/models`
-  (extension: `priority`, 0 = most urgent .. 9).
+  (`n`, `seed`, `stop`, `logprobs`, penalties, `logit_bias`, `response_format`; vLLM's extensions
+  `top_k`, `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `repetition_penalty`, `guided_*`;
+  ours: `priority`, 0 = most urgent .. 9). Invalid values are 400s in OpenAI's error shape; unknown
+  fields are ignored and named in the `X-Apiary-Ignored-Fields` response header.
 * **operator** scope: `/v1/fleet/...` (devices, events, answers, escalations, OTA).
 * open: `/healthz`, `/metrics` (Prometheus), `/v1/images/{filename}` (signed images, HTTP Range).
 

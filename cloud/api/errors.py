@@ -1,17 +1,20 @@
 """One error shape for every failure (OpenAI's ``{"error": {...}}``) and the status each cause maps to.
 
-400 a request the engine can never serve (e.g. longer than the context), 401 no or unknown
-key, 403 key without the scope, 404 unknown thing, 413 body too large, 422 validation
-(the message names every bad field), 429 engine queue full (with ``Retry-After``),
-503 a dependency (broker) is not available. Nothing else escapes as a bare 500.
+400 a request the engine can never serve (e.g. longer than the context) and, on the OpenAI
+routes (:class:`OpenAIRoute`), a body that fails validation, as OpenAI answers; 401 no or
+unknown key, 403 key without the scope, 404 unknown thing, 413 body too large, 422
+validation on the other routes (the message names every bad field), 429 engine queue full
+(with ``Retry-After``), 503 a dependency (broker) is not available. Nothing else escapes as
+a bare 500.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Coroutine
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
 from shared.logs import get_logger
@@ -47,14 +50,48 @@ class BodyTooLarge(HTTPException):
         super().__init__(413, f"request body over the {limit}-byte limit")
 
 
+class InvalidParam(HTTPException):
+    """A 400 about one request field (``param`` in the error object), for rules between fields."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(400, message if message.startswith(param) else f"{param}: {message}")
+        self.param = param
+
+
+class InvalidRequest(RequestValidationError):
+    """A body that failed validation on an OpenAI route: 400 ``invalid_request_error``, as OpenAI answers."""
+
+
+class OpenAIRoute(APIRoute):
+    """A route whose validation errors are OpenAI's 400s instead of FastAPI's 422s."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except RequestValidationError as e:
+                raise InvalidRequest(e.errors(), body=e.body) from None
+
+        return route
+
+
 def _location(loc: tuple) -> str:
     return ".".join(str(p) for p in loc if p not in ("body",)) or "body"
 
 
+def _problem(error: dict) -> tuple[str, str]:
+    if error.get("type") == "json_invalid":  # loc is ("body", character position)
+        return "body", f"invalid JSON at character {error['loc'][-1]}: {error.get('ctx', {}).get('error', error['msg'])}"
+    return _location(error["loc"]), error["msg"].removeprefix("Value error, ")
+
+
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:
-    parts = [f"{_location(e['loc'])}: {e['msg']}" for e in errors[:8]]
+    problems = [_problem(e) for e in errors]
+    parts = [f"{where}: {what}" for where, what in problems[:8]]
     more = f" (+{len(errors) - 8} more)" if len(errors) > 8 else ""
-    first = _location(errors[0]["loc"]) if errors else None
+    first = problems[0][0] if problems else None
     return "invalid request: " + "; ".join(parts) + more, first
 
 
@@ -64,11 +101,13 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_message(list(exc.errors()))
-        return error_response(422, message, param=param, code="validation_error")
+        status = 400 if isinstance(exc, InvalidRequest) else 422
+        return error_response(status, message, param=param, code="validation_error")
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None),
+                              param=getattr(exc, "param", None))
 
     @app.exception_handler(EngineOverloaded)
     async def _overloaded(request: Request, exc: EngineOverloaded) -> JSONResponse:
