@@ -6,7 +6,8 @@ situation goes through the edge exactly as the agent handles it (triage, then th
 llama.cpp INT4 model with the JSON grammar, confidence from logprob quantiles);
 every situation that needs an answer also goes to the cloud tier exactly as the cloud
 worker answers an escalation (``cloud.actions.generate_action`` on the cloud engine, same
-GGUF dequantized, fp32 by default). Both answers are kept, so the cascade can be replayed
+GGUF dequantized, fp32 by default: one request decoded under the same JSON Schema, its
+confidence scored by the edge's rule). Both answers are kept, so the cascade can be replayed
 for any threshold without re-running a model:
 
 * the confidence threshold is chosen on the **calibration** split (best accuracy with at
@@ -48,6 +49,7 @@ class Case:
     critical: bool = False
     cloud_pred: str | None = None
     cloud_error: str | None = None
+    cloud_score: float | None = None  # the cloud answer's confidence, by the edge's rule (p10 choice logprob)
     cloud_prompt_tokens: int = 0
     cloud_completion_tokens: int = 0
     edge: dict[str, float] = field(default_factory=dict)
@@ -119,10 +121,10 @@ def _run_cloud(cases: list[Case], model_path: str, dtype: str, max_tokens: int) 
 
     async def one(c: Case) -> None:
         messages = [m.model_dump() for m in build_messages(c.event, c.context)]
-        chat = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        out = await generate_action(engine, chat, max_tokens=max_tokens)
+        out = await generate_action(engine, messages=messages, max_tokens=max_tokens)
         c.cloud_pred = out.action["assessment"] if out.action else "invalid"
         c.cloud_error = out.error
+        c.cloud_score = out.score
         c.cloud_prompt_tokens, c.cloud_completion_tokens = out.prompt_tokens, out.completion_tokens
 
     async def run_all() -> None:
@@ -390,6 +392,7 @@ def command(
              "confusion_edge_test": _confusion(test, "edge_pred"),
              "cases": [{"id": c.id, "split": c.split, "label": c.label, "edge": c.edge_pred, "score": c.score,
                         "critical": c.critical, "cloud": c.cloud_pred, "cloud_error": (c.cloud_error or "")[:200],
+                        "cloud_score": c.cloud_score,
                         "cloud_tokens": [c.cloud_prompt_tokens, c.cloud_completion_tokens]} for c in cases],
              **({"confusion_cloud_test": _confusion(test, "cloud_pred")} if not skipped else {})}
     report("edge", "Edge vs cloud vs cascade (SmolLM2-135M; edge Q4_1 llama.cpp, cloud same GGUF on the cloud engine)",

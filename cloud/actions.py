@@ -1,142 +1,109 @@
-"""Structured JSON actions from a small model, one field at a time.
+"""The cloud's JSON action: one grammar-constrained engine request, scored as the edge scores its own.
 
-A 135M model asked for JSON often drifts out of the format. Instead of hoping, the
-cloud writes the JSON skeleton itself and lets the model fill one string field at a
-time: the assistant turn is prefilled with ``{"assessment": "`` and generation stops at
-the closing quote; then ``", "action": "`` is appended, and so on for ``urgency`` and
-``explanation``. Every stage re-uses the previous prompt, so the engine's prefix cache
-serves it and each stage costs only its new tokens.
+The engine decodes under :data:`shared.prompting.ACTION_JSON_SCHEMA`, the schema derived
+from :class:`shared.protocol.Action` that the edge's llama.cpp grammar is built from, so a
+finished answer is a JSON object with only allowed enum values, in the edge's field order
+(explanation first). It goes through ``shared.prompting.parse_action``, the edge's parser,
+so both tiers accept exactly the same actions; an answer that is cut off by ``max_tokens``
+or does not validate is reported with a reason, never repaired or invented.
 
-The two enumerated fields are constrained after the fact: the model's words are
-normalised (case, spaces, hyphens) and snapped to the one allowed value they name or
-start (``"heat"`` -> ``heat_stress``). When the greedy answer names none, a few answers
-are sampled at once (they share the cached prompt and run as one batch) and the value
-named most often wins (self-consistency voting); when none names an allowed value, the
-answer fails with a reason instead of inventing one. The engine exposes no logits, so
-scoring each allowed value's tokens directly is not possible from here. The assembled JSON goes through
-``shared.prompting.parse_action``, the same parser the edge uses, so both tiers accept
-exactly the same actions.
+Confidence follows the edge's rule exactly (:func:`shared.confidence.measure`: a low
+quantile, default p10, of the *choice* logprobs over the tokens of the assessment and
+urgency values). With a grammar the engine reports each token's logprob among the
+grammar-allowed tokens (after temperature), which is the edge's choice logprob. Per-token
+byte offsets come from decoding the output token ids incrementally with the engine's
+tokenizer (exact for byte-level BPE such as SmolLM2's). The entropy per token is a top-k
+estimate: the entropy of the engine's top :data:`TOP_LOGPROBS` allowed alternatives,
+renormalised (:func:`shared.confidence.topk_entropy`), as the edge's is over the allowed
+tokens among its top-k candidates. The end-of-generation token that closes a finished
+answer is not scored (the edge never records it either).
 """
 from __future__ import annotations
 
-import asyncio
 import json
-from collections import Counter
 from dataclasses import dataclass
-from typing import Any, get_args
+from typing import Any, Sequence
 
-from shared.protocol import ASSESSMENTS, Urgency
+from shared.confidence import Confidence, measure, topk_entropy
+from shared.prompting import ACTION_JSON_SCHEMA, parse_action
 
-URGENCIES: tuple[str, ...] = get_args(Urgency)
-VOTE_SAMPLES = 5  # sampled answers when the greedy one names no allowed value (one batched engine step each)
-VOTE_TEMPERATURE = 0.8
-ACTION_MAX_CHARS = 200
-EXPLANATION_MAX_CHARS = 500
+TOP_LOGPROBS = 20  # alternatives per token for the entropy estimate (the engine's maximum)
+ACTION_SCHEMA_SPEC = json.dumps(ACTION_JSON_SCHEMA)
 
 
 @dataclass(slots=True)
 class ActionOutcome:
-    text: str  # the JSON the model's fields assemble into
-    action: dict[str, Any] | None  # the parsed Action, None when it could not be made
+    text: str  # the model's answer, as generated
+    action: dict[str, Any] | None  # the parsed Action, None when the answer is cut off or does not validate
     error: str | None
     prompt_tokens: int
     completion_tokens: int
     first_token_time: float | None = None
+    confidence: Confidence | None = None  # score (p10 choice logprob of the decision tokens) and quantiles
+
+    @property
+    def score(self) -> float | None:
+        return self.confidence.score if self.confidence else None
+
+    @property
+    def quantiles(self) -> dict[str, float]:
+        return dict(self.confidence.quantiles) if self.confidence else {}
 
 
-def snap(raw: str, allowed: tuple[str, ...]) -> str | None:
-    """The allowed value ``raw`` names: exact, a unique prefix of it, or it followed by extra words."""
-    v = raw.strip().strip(".,;:").lower().replace("-", "_").replace(" ", "_")
-    if v in allowed:
-        return v
-    if not v:
-        return None
-    starts = [a for a in allowed if a.startswith(v)]
-    if len(starts) == 1:
-        return starts[0]
-    within = [a for a in allowed if v.startswith(a)]
-    return max(within, key=len) if within else None
+def token_offsets(tokenizer: Any, token_ids: Sequence[int]) -> tuple[str, list[int]]:
+    """The text of ``token_ids`` and each token's byte offset in it (``text.encode()``), decoding incrementally.
+
+    A token that ends inside a multi-byte character is decoded together with the tokens that
+    complete it; tokens after it start at that character's first byte.
+    """
+    offsets: list[int] = []
+    done = 0  # bytes of complete characters so far
+    pending = 0  # first token whose text is not complete yet
+    for i in range(len(token_ids)):
+        offsets.append(done)
+        piece = tokenizer.decode(list(token_ids[pending:i + 1]))
+        if not piece.endswith("\ufffd"):
+            done += len(piece.encode("utf-8"))
+            pending = i + 1
+    return tokenizer.decode(list(token_ids)), offsets
 
 
-def budgets(max_tokens: int) -> dict[str, int]:
-    """How ``max_tokens`` is split across the four fields (the explanation gets what is left)."""
-    assessment, urgency = 8, 4
-    action = max(1, min(48, (max_tokens - assessment - urgency) // 2))
-    explanation = max(0, min(128, max_tokens - assessment - urgency - action))
-    return {"assessment": assessment, "action": action, "urgency": urgency, "explanation": explanation}
+def score_tokens(tokenizer: Any, token_ids: Sequence[int], logprobs: Sequence[Any], *, quantile: float = 0.1,
+                 span: str = "decision") -> Confidence:
+    """The edge's confidence rule over an engine output: ``logprobs`` are its ``TokenLogprob``s, one per token."""
+    ids, lps = list(token_ids), list(logprobs)
+    while ids and ids[-1] in tokenizer.stop_token_ids:  # the end token that closed the answer
+        ids.pop()
+    lps = lps[:len(ids)]
+    text, offsets = token_offsets(tokenizer, ids)
+    return measure(text, offsets, [t.logprob for t in lps],
+                   [topk_entropy([v for _, v in t.top]) if t.top else 0.0 for t in lps],
+                   quantile=quantile, span=span)
 
 
-async def generate_action(engine, chat_prompt: str, *, max_tokens: int, temperature: float = 0.0,
-                          priority: int = 0, seed: int | None = None, vote_samples: int = VOTE_SAMPLES) -> ActionOutcome:
-    """Fill the Action JSON on top of ``chat_prompt`` (already ending in the assistant header)."""
-    from cloud.engine import EngineOverloaded, SamplingParams
-    from shared.prompting import parse_action
+async def generate_action(engine, prompt: str | list[int] | None = None, *,
+                          messages: list[dict[str, Any]] | None = None, max_tokens: int, temperature: float = 0.0,
+                          priority: int = 0, seed: int | None = None, quantile: float = 0.1,
+                          span: str = "decision") -> ActionOutcome:
+    """The Action for chat ``messages`` (or a rendered ``prompt``, text or token ids), in one engine request.
 
-    budget = budgets(max_tokens)
-    fields: dict[str, str] = {}
-    prompt = chat_prompt + '{"assessment": "'
-    prompt_tokens = completion_tokens = 0
-    first_token_time = None
+    ``max_tokens`` is capped to what fits the model's context after the prompt. Engine errors
+    (RequestRejected, EngineOverloaded, ...) propagate; a bad answer is an outcome with ``error``.
+    """
+    from cloud.engine import SamplingParams
+    from cloud.engine.sampling_params import StructuredOutput
 
-    async def fill(name: str) -> str:
-        nonlocal prompt_tokens, completion_tokens, first_token_time
-        params = SamplingParams(max_tokens=budget[name], temperature=temperature, seed=seed, stop=['"', "\n"])
-        out = await engine.generate(prompt=prompt, params=params, priority=priority)
-        prompt_tokens = prompt_tokens or len(out.prompt_token_ids)
-        completion_tokens += len(out.output_token_ids)
-        if first_token_time is None:
-            first_token_time = out.metrics.first_token_time
-        return out.text
+    ids = engine.prompt_token_ids(prompt, messages)
+    budget = max(1, min(max_tokens, engine.max_model_len - len(ids)))
+    params = SamplingParams(max_tokens=budget, temperature=temperature, seed=seed, logprobs=TOP_LOGPROBS,
+                            structured=StructuredOutput("json_schema", ACTION_SCHEMA_SPEC))
+    out = await engine.generate(ids, params=params, priority=priority)
+    conf = score_tokens(engine.tokenizer, out.output_token_ids, out.logprobs, quantile=quantile, span=span)
+    parsed = parse_action(out.text)
+    error = None
+    if parsed is None:
+        error = (f"answer cut off at max_tokens={budget} before the JSON was complete: {out.text[-80:]!r}"
+                 if out.finish_reason == "length" else f"the answer is not a valid action: {out.text[:200]!r}")
+    return ActionOutcome(out.text, parsed.model_dump(mode="json") if parsed else None, error,
+                         len(out.prompt_token_ids), len(out.output_token_ids), out.metrics.first_token_time, conf)
 
-    async def vote(name: str, allowed: tuple[str, ...]) -> str | None:
-        """Greedy named no allowed value: sample a few answers at once and take the most named one."""
-        nonlocal completion_tokens
-        base = 0 if seed is None else seed
-        params = [SamplingParams(max_tokens=budget[name], temperature=VOTE_TEMPERATURE, seed=base + i,
-                                 stop=['"', "\n"]) for i in range(vote_samples)]
-        results = await asyncio.gather(*(engine.generate(prompt=prompt, params=p, priority=priority)
-                                         for p in params), return_exceptions=True)
-        outs = [r for r in results if not isinstance(r, BaseException)]
-        failures = [r for r in results if isinstance(r, BaseException)]
-        if failures and (not outs or not all(isinstance(f, EngineOverloaded) for f in failures)):
-            raise failures[0]  # samples refused by a full queue just don't vote; anything else is an error
-        completion_tokens += sum(len(o.output_token_ids) for o in outs)
-        named = [v for v in (snap(o.text, allowed) for o in outs) if v is not None]
-        return Counter(named).most_common(1)[0][0] if named else None
-
-    def outcome(error: str | None) -> ActionOutcome:
-        text = json.dumps(fields)
-        action = None
-        if error is None:
-            parsed = parse_action(text)
-            if parsed is None:
-                error = f"the assembled answer is not a valid action: {text[:200]}"
-            else:
-                action = parsed.model_dump(mode="json")
-        return ActionOutcome(text, action, error, prompt_tokens, completion_tokens, first_token_time)
-
-    raw = await fill("assessment")
-    assessment = snap(raw, ASSESSMENTS)
-    if assessment is None and vote_samples:
-        assessment = await vote("assessment", ASSESSMENTS)
-    fields["assessment"] = assessment or raw.strip()
-    if assessment is None:
-        return outcome(f"the model's assessment {raw.strip()[:60]!r} is none of {list(ASSESSMENTS)}")
-    prompt += assessment + '", "action": "'
-
-    action_text = (await fill("action")).strip()[:ACTION_MAX_CHARS]
-    fields["action"] = action_text
-    prompt += action_text.replace('"', "'") + '", "urgency": "'
-
-    raw = await fill("urgency")
-    urgency = snap(raw, URGENCIES)
-    if urgency is None and vote_samples:
-        urgency = await vote("urgency", URGENCIES)
-    fields["urgency"] = urgency or raw.strip()
-    if urgency is None:
-        return outcome(f"the model's urgency {raw.strip()[:30]!r} is none of {list(URGENCIES)}")
-
-    if budget["explanation"]:
-        prompt += urgency + '", "explanation": "'
-        fields["explanation"] = (await fill("explanation")).strip()[:EXPLANATION_MAX_CHARS]
-    return outcome(None)

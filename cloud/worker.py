@@ -13,7 +13,8 @@ them. For every request the worker
    aborted, its KV blocks freed);
 3. runs the engine at the request's priority (smaller = more urgent, the same scale on
    both sides) and replies ``InferenceResult(tier="cloud")`` to the request's reply-to
-   with its correlation id;
+   with its correlation id; a ``json_action`` answer is decoded under the action's JSON
+   Schema and carries its confidence, scored by the edge's rule (``cloud.actions``);
 4. stores the result with its outcome and latency.
 
 MQTT handlers run on the network thread; the worker hands each request to its own
@@ -30,7 +31,7 @@ from shared import topics
 from shared.logs import bind, get_logger
 from shared.protocol import Envelope, InferenceRequest, InferenceResult
 
-from cloud.actions import generate_action
+from cloud.actions import ActionOutcome, generate_action
 from cloud.metrics import Metrics
 from cloud.store import Store
 
@@ -200,14 +201,14 @@ class EscalationWorker:
             self.stats["errors"] += 1
             return result("error", error=f"{type(e).__name__}: {e}")
         self.stats["computed"] += 1
-        text, action, error, prompt_tokens, completion_tokens = outcome
-        self.metrics.tokens.labels(path="mqtt", kind="prompt").inc(prompt_tokens)
-        self.metrics.tokens.labels(path="mqtt", kind="completion").inc(completion_tokens)
+        self.metrics.tokens.labels(path="mqtt", kind="prompt").inc(outcome.prompt_tokens)
+        self.metrics.tokens.labels(path="mqtt", kind="completion").inc(outcome.completion_tokens)
         self.metrics.e2e.labels(path="mqtt").observe(time.time() - received_at)
-        return result("error" if error else "ok", text=text, action=action, error=error,
-                      prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+        return result("error" if outcome.error else "ok", text=outcome.text, action=outcome.action,
+                      error=outcome.error, confidence=outcome.score, logprob_quantiles=outcome.quantiles,
+                      prompt_tokens=outcome.prompt_tokens, completion_tokens=outcome.completion_tokens)
 
-    async def _limited(self, req: InferenceRequest) -> tuple[str, dict | None, str | None, int, int]:
+    async def _limited(self, req: InferenceRequest) -> ActionOutcome:
         """Run within the worker's concurrency; a full engine queue is retried with backoff, not bounced."""
         from cloud.engine import EngineOverloaded
 
@@ -224,7 +225,8 @@ class EscalationWorker:
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 1.0)
 
-    async def _infer(self, req: InferenceRequest) -> tuple[str, dict | None, str | None, int, int]:
+    async def _infer(self, req: InferenceRequest) -> ActionOutcome:
+        """One engine request: the schema-constrained Action (``json_action``, with its confidence) or plain text."""
         from cloud.engine import RequestRejected, SamplingParams
 
         messages = [m.model_dump() for m in req.messages]
@@ -234,13 +236,11 @@ class EscalationWorker:
             messages = [m.model_dump() for m in build_messages(req.event, list(req.context))]
         if not messages and req.prompt is None:
             raise RequestRejected("the request has neither messages, a prompt nor an event")
+        prompt = None if messages else req.prompt
         if req.response_format == "json_action":
-            tok = self.engine.tokenizer
-            chat = tok.apply_chat_template(messages, add_generation_prompt=True) if messages else req.prompt
-            out = await generate_action(self.engine, chat, max_tokens=req.max_tokens, temperature=req.temperature,
-                                        priority=req.priority)
-            return out.text, out.action, out.error, out.prompt_tokens, out.completion_tokens
+            return await generate_action(self.engine, prompt, messages=messages or None, max_tokens=req.max_tokens,
+                                         temperature=req.temperature, priority=req.priority)
         params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature)
-        out = await self.engine.generate(prompt=None if messages else req.prompt, messages=messages or None,
-                                         params=params, priority=req.priority)
-        return out.text, None, None, len(out.prompt_token_ids), len(out.output_token_ids)
+        out = await self.engine.generate(prompt=prompt, messages=messages or None, params=params,
+                                         priority=req.priority)
+        return ActionOutcome(out.text, None, None, len(out.prompt_token_ids), len(out.output_token_ids))

@@ -1,10 +1,10 @@
 """The prompt both tiers show the model, and the one parser for its JSON action.
 
-The edge (llama.cpp, grammar-constrained) and the cloud (own engine, field by field)
-must ask the same question and accept exactly the same answers, or a cascade would
-compare apples with pears. So the chat messages for a sensor event and the parsing of
-an :class:`~shared.protocol.Action` live here, importable by both without either
-importing the other.
+The edge (llama.cpp) and the cloud (own engine) must ask the same question, decode under
+the same JSON Schema and accept exactly the same answers, or a cascade would compare
+apples with pears. So the chat messages for a sensor event, the schema (derived from
+:class:`~shared.protocol.Action`) and the parsing of an Action live here, importable by
+both without either importing the other.
 
 The prompt is short on purpose: a 135M model reads a long prompt badly and prefill is
 most of the edge's latency. The system message is identical for every event, so a
@@ -18,26 +18,43 @@ from typing import Any, Sequence
 
 from pydantic import ValidationError
 
-from shared.protocol import ASSESSMENTS, Action, ChatMessage, SensorEvent
+from shared.protocol import Action, ChatMessage, SensorEvent
 
-ACTION_MAX_CHARS = 200  # Action.action's limit; the edge grammar asks for less (see ACTION_JSON_SCHEMA)
-EXPLANATION_MAX_CHARS = 500
-
+# The one schema of an answer, derived from shared.protocol.Action (its fields, enums and limits),
+# with what a generator needs on top: generation order and tighter lengths.
 # Field order is generation order, and it matters: the explanation comes first so the model
 # restates what it sees before it commits to an assessment. On the calibration split this took
 # SmolLM2-135M from 10/20 to 14/20 correct anomaly assessments (assessment-first: 10/20).
-ACTION_JSON_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "explanation": {"type": "string", "minLength": 1, "maxLength": 120},
-        "assessment": {"enum": list(ASSESSMENTS)},
-        "urgency": {"enum": ["low", "medium", "high"]},
-        "action": {"type": "string", "minLength": 1, "maxLength": 80},
-    },
-    "required": ["explanation", "assessment", "urgency", "action"],
-    "additionalProperties": False,
-}
-ACTION_FIELDS: tuple[str, ...] = tuple(ACTION_JSON_SCHEMA["properties"])
+ACTION_FIELDS: tuple[str, ...] = ("explanation", "assessment", "urgency", "action")
+# A 135M model rambles: short strings keep answers fast and on point (Action itself allows more).
+GENERATION_MAX_CHARS: dict[str, int] = {"explanation": 120, "action": 80}
+
+
+def action_json_schema() -> dict[str, Any]:
+    """The JSON Schema both tiers decode under: the edge's llama.cpp grammar is built from it, the
+    cloud engine's llguidance matcher takes it as is. Built from ``Action.model_json_schema()``:
+    enumerated fields keep their values; string fields get ``minLength`` 1 and the smaller of
+    Action's ``max_length`` and :data:`GENERATION_MAX_CHARS`; every field is required, nothing else
+    allowed, in :data:`ACTION_FIELDS` order."""
+    source = Action.model_json_schema()["properties"]
+    if set(source) != set(ACTION_FIELDS):
+        raise ValueError(f"ACTION_FIELDS {ACTION_FIELDS} do not match Action's fields {sorted(source)}")
+    properties: dict[str, Any] = {}
+    for name in ACTION_FIELDS:
+        field = source[name]
+        if "enum" in field:
+            properties[name] = {"enum": list(field["enum"])}
+        else:
+            limit = min(field.get("maxLength", GENERATION_MAX_CHARS[name]), GENERATION_MAX_CHARS[name])
+            properties[name] = {"type": field["type"], "minLength": 1, "maxLength": limit}
+    return {"type": "object", "properties": properties, "required": list(ACTION_FIELDS),
+            "additionalProperties": False}
+
+
+ACTION_JSON_SCHEMA: dict[str, Any] = action_json_schema()
+_ACTION_PROPERTIES = Action.model_json_schema()["properties"]
+ACTION_MAX_CHARS: int = _ACTION_PROPERTIES["action"]["maxLength"]  # what Action accepts (the grammar asks for less)
+EXPLANATION_MAX_CHARS: int = _ACTION_PROPERTIES["explanation"]["maxLength"]
 
 SYSTEM_PROMPT = (
     "You are the assistant of a solar-powered beehive monitor. Read the sensor report and answer "

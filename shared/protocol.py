@@ -141,7 +141,10 @@ class InferenceResult(_Body):
     tier: Literal["edge", "cloud"]
     text: str = ""
     action: dict[str, Any] | None = None
+    # How sure the answering model was, by the same rule on both tiers (shared.confidence): the p10 choice
+    # logprob of the decision tokens, and its summary (as EdgeAttempt's). Optional: older senders omit them.
     confidence: float | None = None
+    logprob_quantiles: dict[str, float] = Field(default_factory=dict)
     event_seq: int | None = None
     escalation_reason: str | None = None
     prompt_tokens: int = 0

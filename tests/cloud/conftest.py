@@ -11,8 +11,7 @@ from cloud.service import CloudService
 from cloud.settings import CloudSettings
 
 # One small real engine for every cloud test: loading SmolLM2 costs seconds, serving it costs less.
-# max_num_seqs=4 / max_waiting=6 keep the queue small enough to fill deterministically (429 test) and
-# big enough for one JSON action's sampled votes (cloud.actions.VOTE_SAMPLES = 5).
+# max_num_seqs=4 / max_waiting=6 keep the queue small enough to fill deterministically (429 test).
 ENGINE_LIMITS = dict(max_num_seqs=4, max_waiting=6, max_model_len=2048, max_num_batched_tokens=1024,
                      kv_cache_bytes=96 << 20)
 MODEL_NAME = "smollm2-test"

@@ -1,6 +1,8 @@
 """Escalation workers and the fleet recorder on a real Mosquitto, with the real engine."""
 from __future__ import annotations
 
+import json
+import math
 import threading
 import time
 from collections import defaultdict
@@ -111,37 +113,55 @@ def test_worker_restart_answers_from_the_store(mosquitto, make_service, idle_eng
         edge.t.stop()
 
 
-def test_json_action_field_by_field(mosquitto, make_service, idle_engine):
-    """json_action: the cloud writes the JSON skeleton, the model fills the fields, parse_action validates."""
-    from shared.prompting import SYSTEM_PROMPT
+def test_json_action_answers_with_the_schema_and_a_confidence(mosquitto, make_service, idle_engine):
+    """json_action: one request decoded under the action's JSON Schema; the reply carries the confidence
+    scored by the edge's rule, and a re-sent request gets the stored answer with it."""
+    from shared.prompting import ACTION_FIELDS, SYSTEM_PROMPT
 
-    make_service(broker=mosquitto.config.url, worker_id="cloud-json", record=False)
+    service = make_service(broker=mosquitto.config.url, worker_id="cloud-json", record=False)
     edge = Edge(mosquitto.config)
     try:
+        def escalation(request_id: str, user: str, **kw) -> InferenceRequest:
+            fields = dict(request_id=request_id, site="meadow", device="hive-7", max_tokens=128, priority=0,
+                          messages=[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}])
+            return InferenceRequest(**{**fields, **kw})
+
         def ask(request_id: str, user: str, **kw) -> InferenceResult:
-            edge.escalate(InferenceRequest(
-                request_id=request_id, site="meadow", device="hive-7", max_tokens=48, priority=0,
-                messages=[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}], **kw))
+            edge.escalate(escalation(request_id, user, **kw), envelope_id=f"env-{request_id}")
             edge.wait([request_id])
             return edge.replies[request_id][0].body
 
-        hot = ask("hot", "The hive is at 42 C, far too hot. Assessment: heat_stress.", reason="low confidence")
+        too_hot = "The hive is at 42 C, far too hot. Assessment: heat_stress."
+        hot = ask("hot", too_hot, reason="low confidence")
         assert hot.status == "ok", hot.error
         action = Action.model_validate(hot.action)
         assert action.assessment == "heat_stress" and action.action and action.urgency in ("low", "medium", "high")
-        assert hot.text.startswith('{"assessment": "heat_stress", "action": ')
+        assert tuple(json.loads(hot.text)) == ACTION_FIELDS  # the schema's order: explanation first
         assert hot.escalation_reason == "low confidence" and hot.prompt_tokens > 100 and hot.completion_tokens > 3
+        assert hot.confidence is not None and math.isfinite(hot.confidence) and hot.confidence <= 0.0
+        assert hot.logprob_quantiles["p10"] == pytest.approx(hot.confidence, abs=1e-4)
+
+        # Re-sent (same envelope): the stored answer, confidence and all, without computing again.
+        computed = service.worker.stats["computed"]
+        edge.escalate(escalation("hot", too_hot, reason="low confidence"), envelope_id="env-hot")
+        edge.wait(["hot"], count=2)
+        assert edge.replies["hot"][1].body == hot and service.worker.stats["computed"] == computed
 
         # A bare sensor event (no messages): the worker builds the shared prompt itself.
         event = SensorEvent(site="meadow", device="hive-7", seq=42, timestamp=time.time(), severity=Severity.CRITICAL,
                             readings={"hive_temp_c": 41.5, "ambient_temp_c": 36.0, "battery_v": 3.9},
                             flags=["hive_temp_high"])
-        edge.escalate(InferenceRequest(request_id="evt-42", site="meadow", device="hive-7", event=event, max_tokens=48))
+        edge.escalate(InferenceRequest(request_id="evt-42", site="meadow", device="hive-7", event=event, max_tokens=128))
         edge.wait(["evt-42"])
         result = edge.replies["evt-42"][0].body
         assert result.event_seq == 42 and result.prompt_tokens > 500  # the shared prompt with its worked examples
         assert result.status == "ok", result.error
         Action.model_validate(result.action)
+        assert result.confidence is not None and result.confidence <= 0.0
+
+        # Too few tokens for the JSON: an error that says so, not a crash.
+        short = ask("short", "The hive is at 42 C.", max_tokens=5)
+        assert short.status == "error" and short.action is None and "cut off at max_tokens=5" in short.error
     finally:
         edge.t.stop()
 

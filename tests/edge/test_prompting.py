@@ -51,6 +51,28 @@ def test_schema_matches_protocol() -> None:
     assert set(ACTION_JSON_SCHEMA["required"]) == set(Action.model_fields)
 
 
+def test_schema_is_derived_from_the_action() -> None:
+    """One source: enums are Action's, string limits never exceed Action's, and the result is exactly the
+    schema the edge grammar was built from (field order included, so the GBNF is unchanged)."""
+    source = Action.model_json_schema()["properties"]
+    for name, prop in ACTION_JSON_SCHEMA["properties"].items():
+        if "enum" in source[name]:
+            assert prop == {"enum": source[name]["enum"]}
+        else:
+            assert prop["maxLength"] <= source[name]["maxLength"] and prop["minLength"] == 1
+    assert json.dumps(ACTION_JSON_SCHEMA) == json.dumps({
+        "type": "object",
+        "properties": {
+            "explanation": {"type": "string", "minLength": 1, "maxLength": 120},
+            "assessment": {"enum": list(ASSESSMENTS)},
+            "urgency": {"enum": ["low", "medium", "high"]},
+            "action": {"type": "string", "minLength": 1, "maxLength": 80},
+        },
+        "required": ["explanation", "assessment", "urgency", "action"],
+        "additionalProperties": False,
+    })
+
+
 def test_messages_carry_event_flags_trend_and_question() -> None:
     ctx = [reading(i, hive_weight_kg=41.2) for i in range(1, 6)]
     ev = reading(6, severity=Severity.CRITICAL, flags=("hive_weight_drop",), hive_weight_kg=38.7)

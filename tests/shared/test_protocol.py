@@ -25,7 +25,7 @@ BODIES: list[p.Body] = [
         reason="low_confidence"),
     p.InferenceResult(request_id="r-1", site="meadow", device="hive-0001", tier="cloud", text="{}",
                       action={"assessment": "heat_stress", "action": "shade", "urgency": "high"}, confidence=-0.2,
-                      event_seq=7, prompt_tokens=120, completion_tokens=30, latency_ms=812.5, model="smollm2"),
+                      logprob_quantiles={"p10": -0.2, "min": -0.3, "n_all": 41.0}, event_seq=7, prompt_tokens=120, completion_tokens=30, latency_ms=812.5, model="smollm2"),
     p.DeviceState(site="meadow", device="hive-0001", status="birth", online=True, session=3, battery_soc=0.81,
                   battery_v=3.9, solar_w=2.5, model_version="smollm2-135m-q4", counters={"answered": 4}),
     p.OtaCommand(site="meadow", device="hive-0001", image_version="1.2.0", url="http://cloud/v1/images/a.tar",
@@ -86,6 +86,17 @@ def test_unknown_optional_fields_are_ignored_within_a_version() -> None:
     raw = msgpack.unpackb(_wire())
     raw["body"]["added_in_a_later_minor"] = True
     assert p.decode(msgpack.packb(raw)).body == EVENT
+
+
+def test_results_from_senders_without_confidence_fields_still_decode() -> None:
+    """InferenceResult.logprob_quantiles (and confidence) are optional: a result from an older sender decodes."""
+    result = next(b for b in BODIES if isinstance(b, p.InferenceResult))
+    raw = msgpack.unpackb(p.encode(p.make(result, sender="t")))
+    assert raw["body"]["logprob_quantiles"]["p10"] == -0.2
+    del raw["body"]["logprob_quantiles"], raw["body"]["confidence"]
+    body = p.decode(msgpack.packb(raw)).body
+    assert body.confidence is None and body.logprob_quantiles == {}
+    assert body == result.model_copy(update={"confidence": None, "logprob_quantiles": {}})
 
 
 def test_priority_from_severity() -> None:
