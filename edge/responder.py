@@ -74,7 +74,7 @@ class Responder:
                 request_id: str | None = None) -> Outcome:
         started = time.perf_counter()
         self.budget.observe(event.readings)
-        if not needs_answer(event):
+        if not needs_answer(event, context):
             return Outcome(route="logged")
         request_id = request_id or f"{event.device}-{event.seq}"
         threads, max_tokens = self.budget.knobs(self.settings.threads, self.settings.max_tokens)

@@ -55,16 +55,18 @@ def test_nectar_flow_gains_weight_day_over_day():
     assert all(b > a + 0.5 for a, b in zip(dawns, dawns[1:]))
 
 
-def test_no_flags_on_a_normal_fleet_week():
+def test_no_warnings_and_few_watch_flags_on_a_normal_fleet_week():
     fleet = Fleet(2, 4, seed=4, interval_s=900)
-    flagged, total, prev = 0, 0, {}
+    flagged, elevated, total, prev = 0, 0, 0, {}
     for _ in range(int(7 * DAY / 900)):
         for f in fleet.tick():
             sev, flags = assess(f.readings, previous=prev.get(f.device_id), timestamp=f.timestamp)
             prev[f.device_id] = (f.timestamp, f.readings)
-            flagged += bool(flags)
+            flagged += any(not fl.endswith("_elevated") for fl in flags) or sev.value != "info"
+            elevated += bool(flags)
             total += 1
     assert flagged == 0 and total > 5000
+    assert elevated <= 0.01 * total  # busy hours that earn a look from the edge model: rare
 
 
 def window(fleet, frames, anomaly):

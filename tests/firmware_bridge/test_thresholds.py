@@ -98,3 +98,13 @@ def test_bad_settings_are_one_clear_error(tmp_path, toml, match):
 def test_default_settings():
     s = BridgeSettings()
     assert s.site_of(1) == "site-0" and s.name == "bridge-0"
+
+
+def test_watch_levels_flag_elevated_readings_without_raising_severity() -> None:
+    from firmware_bridge.thresholds import assess
+
+    severity, flags = assess({"bee_traffic": 4500.0, "acoustic_freq_hz": 270.0, "acoustic_db": 50.0})
+    assert severity.value == "info" and sorted(flags) == ["acoustic_freq_hz_elevated", "bee_traffic_elevated"]
+    severity, flags = assess({"bee_traffic": 7000.0})
+    assert severity.value == "warning" and flags == ["bee_traffic_high"]  # the warning replaces the watch flag
+    assert assess({"bee_traffic": 1200.0}) == (severity.__class__("info"), [])
