@@ -1,4 +1,4 @@
-"""`apiary cloud …`: run the cloud service and manage its API keys."""
+"""`apiary cloud …`: run the cloud service and manage its API keys; `apiary fleet …`: the fleet's data."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,6 +14,9 @@ def register(app: typer.Typer) -> None:
     keys.command("create")(create_key)
     cloud.add_typer(keys, name="keys")
     app.add_typer(cloud, name="cloud")
+    fleet = typer.Typer(help="The fleet's recorded data in the cloud store.", no_args_is_help=True)
+    fleet.command("export-labels")(export_labels)
+    app.add_typer(fleet, name="fleet")
 
 
 def serve(
@@ -85,3 +88,34 @@ def create_key(
         raise typer.Exit(2) from None
     typer.echo(key)
     typer.echo(f"(scopes: {', '.join(sorted(set(scope)))}; stored hashed in {settings.api_key_file})", err=True)
+
+
+def export_labels(
+    out: Path = typer.Option(..., help="JSON-lines file to write (atomically: temporary file, then rename)"),
+    db: Optional[str] = typer.Option(None, help="the cloud's SQLite database [from config, else .apiary/cloud.db]"),
+    since: Optional[str] = typer.Option(None, help="only labels recorded at or after this time: unix seconds or "
+                                                   "ISO 8601 (UTC unless an offset is given)"),
+    context: int = typer.Option(6, min=0, help="earlier events of the same device to include as context"),
+    config: Optional[Path] = typer.Option(None, help="apiary TOML config ([cloud] section)"),
+) -> None:
+    """Operators' labels as training data: one line per labelled event, {id, label, event, context}
+    (the benchmark's eval-set rows) plus note, labelled_by and labelled_at."""
+    from cloud.errors import CloudError
+    from cloud.labels import export_labels as export, parse_since
+    from cloud.settings import load_settings
+    from cloud.store import SqliteStore
+
+    try:
+        settings = load_settings(config, db=db)
+        if not Path(settings.db).is_file():
+            raise CloudError(f"no database at {settings.db}")
+        since_ts = parse_since(since) if since is not None else None
+        store = SqliteStore(settings.db)
+        try:
+            n = export(store, out, since=since_ts, context=context)
+        finally:
+            store.close()
+    except CloudError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"wrote {n} labelled events to {out}")

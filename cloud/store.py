@@ -1,4 +1,4 @@
-"""Durable cloud state: fleet, events, answers, OTA progress and escalation results.
+"""Durable cloud state: fleet, events, answers, OTA progress, escalation results and operators' labels.
 
 Everything a replica needs to answer correctly lives here, never only in one worker's
 memory: an escalation answered by one worker is found by any other worker (or the same
@@ -50,7 +50,25 @@ class Store(ABC):
     def record_event(self, envelope_id: str, event: SensorEvent, *, received_at: float | None = None) -> bool: ...
 
     @abstractmethod
-    def events(self, site: str, device: str, limit: int = 50) -> list[dict[str, Any]]: ...
+    def events(self, site: str, device: str, limit: int = 50) -> list[dict[str, Any]]:
+        """Newest first: SensorEvent fields plus envelope_id, received_at and label (None when unlabelled)."""
+
+    @abstractmethod
+    def event(self, envelope_id: str) -> dict[str, Any] | None:
+        """One stored event (as in :meth:`events`), None when unknown."""
+
+    # operators' labels: the true assessment of a stored event
+    @abstractmethod
+    def label_event(self, envelope_id: str, assessment: str, *, note: str | None, key_id: str, key_name: str = "",
+                    labelled_at: float | None = None) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
+        """Record (or overwrite) the label of a stored event: (the label, the one it replaced or None);
+        None when no such event is stored."""
+
+    @abstractmethod
+    def labelled_events(self, *, since: float | None = None, context: int = 6) -> list[dict[str, Any]]:
+        """Every labelled event (labelled at or after ``since``), oldest event first, each as
+        ``{"envelope_id", "label", "event", "context"}``: ``context`` is the device's up to ``context``
+        stored events before it in sensor time, oldest first (what the edge agent gives its model)."""
 
     @abstractmethod
     def record_answer(self, envelope_id: str, result: InferenceResult, *, received_at: float | None = None) -> bool: ...
@@ -118,7 +136,17 @@ CREATE TABLE IF NOT EXISTS escalations (
 );
 CREATE INDEX IF NOT EXISTS escalations_by_request ON escalations (site, device, request_id);
 CREATE INDEX IF NOT EXISTS escalations_by_time ON escalations (received_at);
+CREATE INDEX IF NOT EXISTS events_by_sensor_time ON events (site, device, timestamp);
+CREATE TABLE IF NOT EXISTS labels (
+    envelope_id TEXT PRIMARY KEY,      -- the labelled event's
+    assessment TEXT NOT NULL, note TEXT,
+    key_id TEXT NOT NULL, key_name TEXT NOT NULL,   -- the operator API key that labelled it
+    labelled_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS labels_by_time ON labels (labelled_at);
 """
+# Every statement is IF NOT EXISTS and runs at each open, so a database made by an older
+# version gains the newer tables and indexes (labels) without losing anything.
 
 
 def _json(obj: Any) -> str:
@@ -223,11 +251,69 @@ class SqliteStore(Store):
             (envelope_id, event.site, event.device, event.seq, event.timestamp, str(event.severity), event.kind, received_at or time.time(),
              _json(event.model_dump(mode="json")))) == 1
 
+    _EVENT_WITH_LABEL = ("SELECT e.envelope_id, e.received_at, e.body, l.assessment, l.note, l.key_id, l.key_name, "
+                         "l.labelled_at FROM events e LEFT JOIN labels l ON l.envelope_id = e.envelope_id")
+
+    @staticmethod
+    def _label(r: sqlite3.Row) -> dict[str, Any] | None:
+        if r["assessment"] is None:
+            return None
+        return {"assessment": r["assessment"], "note": r["note"], "key_id": r["key_id"], "key_name": r["key_name"],
+                "labelled_at": r["labelled_at"]}
+
+    def _event_row(self, r: sqlite3.Row) -> dict[str, Any]:
+        return {"envelope_id": r["envelope_id"], "received_at": r["received_at"], **json.loads(r["body"]),
+                "label": self._label(r)}
+
     def events(self, site: str, device: str, limit: int = 50) -> list[dict[str, Any]]:
-        rows = self._query("SELECT envelope_id, received_at, body FROM events WHERE site=? AND device=? "
-                           "ORDER BY received_at DESC, rowid DESC LIMIT ?", (site, device, limit))
-        return [{"envelope_id": r["envelope_id"], "received_at": r["received_at"], **json.loads(r["body"])}
-                for r in rows]
+        rows = self._query(self._EVENT_WITH_LABEL + " WHERE e.site=? AND e.device=? "
+                           "ORDER BY e.received_at DESC, e.rowid DESC LIMIT ?", (site, device, limit))
+        return [self._event_row(r) for r in rows]
+
+    def event(self, envelope_id: str) -> dict[str, Any] | None:
+        rows = self._query(self._EVENT_WITH_LABEL + " WHERE e.envelope_id=?", (envelope_id,))
+        return self._event_row(rows[0]) if rows else None
+
+    # ---- labels ----------------------------------------------------------------------------
+    def label_event(self, envelope_id: str, assessment: str, *, note: str | None, key_id: str, key_name: str = "",
+                    labelled_at: float | None = None) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
+        label = {"assessment": assessment, "note": note, "key_id": key_id, "key_name": key_name,
+                 "labelled_at": labelled_at or time.time()}
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                if self._db.execute("SELECT 1 FROM events WHERE envelope_id=?", (envelope_id,)).fetchone() is None:
+                    self._db.execute("COMMIT")
+                    return None
+                old = self._db.execute("SELECT assessment, note, key_id, key_name, labelled_at FROM labels "
+                                       "WHERE envelope_id=?", (envelope_id,)).fetchone()
+                self._db.execute(
+                    "INSERT INTO labels (envelope_id, assessment, note, key_id, key_name, labelled_at) "
+                    "VALUES (?,?,?,?,?,?) ON CONFLICT (envelope_id) DO UPDATE SET assessment=excluded.assessment, "
+                    "note=excluded.note, key_id=excluded.key_id, key_name=excluded.key_name, "
+                    "labelled_at=excluded.labelled_at",
+                    (envelope_id, assessment, note, key_id, key_name, label["labelled_at"]))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return label, dict(old) if old is not None else None
+
+    def labelled_events(self, *, since: float | None = None, context: int = 6) -> list[dict[str, Any]]:
+        rows = self._query(self._EVENT_WITH_LABEL.replace("LEFT JOIN", "JOIN")
+                           + (" WHERE l.labelled_at >= ?" if since is not None else "")
+                           + " ORDER BY e.timestamp, e.site, e.device, e.seq, e.envelope_id",
+                           (since,) if since is not None else ())
+        out = []
+        for r in rows:
+            event = json.loads(r["body"])
+            earlier = self._query(
+                "SELECT body FROM events WHERE site=? AND device=? AND timestamp < ? "
+                "ORDER BY timestamp DESC, seq DESC LIMIT ?",
+                (event["site"], event["device"], event["timestamp"], context)) if context > 0 else []
+            out.append({"envelope_id": r["envelope_id"], "label": self._label(r), "event": event,
+                        "context": [json.loads(c["body"]) for c in reversed(earlier)]})
+        return out
 
     def record_answer(self, envelope_id: str, result: InferenceResult, *, received_at: float | None = None) -> bool:
         return self._write(

@@ -32,7 +32,7 @@ DESCRIPTION = """Apiary Mesh cloud tier.
   `top_k`, `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `repetition_penalty`, `guided_*`;
   ours: `priority`, 0 = most urgent .. 9). Invalid values are 400s in OpenAI's error shape; unknown
   fields are ignored and named in the `X-Apiary-Ignored-Fields` response header.
-* **operator** scope: `/v1/fleet/...` (devices, events, answers, escalations, OTA).
+* **operator** scope: `/v1/fleet/...` (devices, events and their labels, answers, escalations, OTA).
 * open: `/healthz`, `/metrics` (Prometheus), `/v1/images/{filename}` (signed images, HTTP Range).
 
 Authenticate with `Authorization: Bearer <key>` or `X-API-Key: <key>`.

@@ -1,8 +1,10 @@
-"""Operator endpoints: the fleet, per-device events and answers, escalations, and OTA commands.
+"""Operator endpoints: the fleet, per-device events and answers, labels, escalations, and OTA commands.
 
 Everything is read from the store, so any REST replica shows the same fleet. OTA
 publishes an ``OtaCommand`` (QoS 1, waiting for the broker's ack) to one device or to
 every known device of a site; the URL points at this server's ``/v1/images/{filename}``.
+An operator's label (the true assessment of a stored event) is kept with the key that
+made it; ``apiary fleet export-labels`` turns the labels into training data.
 """
 from __future__ import annotations
 
@@ -15,19 +17,26 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from shared import topics
-from shared.protocol import OtaCommand, make
+from shared.logs import get_logger
+from shared.protocol import Assessment, OtaCommand, make
 
 from cloud.api.errors import ERROR_RESPONSES
 from cloud.api.schemas import ErrorResponse
 from cloud.api.security import require
+from cloud.auth import ApiKey
 
-router = APIRouter(prefix="/v1/fleet", tags=["operator"], dependencies=[Depends(require("operator"))],
+# one dependency object, so a route that needs the caller's key gets the router's check (run once)
+operator = require("operator")
+router = APIRouter(prefix="/v1/fleet", tags=["operator"], dependencies=[Depends(operator)],
                    responses=ERROR_RESPONSES)
+_log = get_logger("cloud.api.fleet")
 
 NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 FILENAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$"
 Name = Annotated[str, PathParam(pattern=NAME_PATTERN, max_length=64)]
 Limit = Annotated[int, Query(ge=1, le=1000, description="newest first")]
+EventId = Annotated[str, PathParam(min_length=1, max_length=64, description="the event's envelope_id")]
+NOT_FOUND = {404: {"model": ErrorResponse, "description": "no stored event with this id"}}
 
 
 class OtaRequest(BaseModel):
@@ -91,6 +100,27 @@ class OtaReport(OtaProgress):
     device: str
 
 
+class LabelRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    assessment: Assessment = Field(description="the true assessment of the event")
+    note: str | None = Field(default=None, max_length=500)
+
+
+class Label(BaseModel):
+    assessment: str
+    note: str | None = None
+    key_id: str  # the operator key that labelled the event
+    key_name: str = ""
+    labelled_at: float
+
+
+class Labelled(BaseModel):
+    envelope_id: str
+    label: Label
+    replaced: Label | None = None  # the label this one overwrote
+
+
 class Escalation(BaseModel):
     key: str  # the request envelope id
     request_id: str
@@ -121,9 +151,33 @@ def devices(request: Request, site: Annotated[str | None, Query(pattern=NAME_PAT
 
 
 @router.get("/devices/{site}/{device}/events", summary="Recent sensor events of a device (SensorEvent fields "
-            "plus envelope_id and received_at), newest first")
+            "plus envelope_id, received_at and label), newest first")
 def events(request: Request, site: Name, device: Name, limit: Limit = 50) -> list[dict[str, Any]]:
     return _ctx(request).store.events(site, device, limit)
+
+
+@router.get("/events/{event_id}", summary="One stored event (SensorEvent fields plus envelope_id, received_at "
+            "and its label, null when unlabelled)", responses=NOT_FOUND)
+def event(request: Request, event_id: EventId) -> dict[str, Any]:
+    found = _ctx(request).store.event(event_id)
+    if found is None:
+        raise HTTPException(404, f"no stored event {event_id!r}")
+    return found
+
+
+@router.post("/events/{event_id}/label", summary="Record the true assessment of a stored event "
+             "(a new label replaces the old one, which is returned as 'replaced')", responses=NOT_FOUND)
+def label_event(request: Request, event_id: EventId, body: LabelRequest,
+                key: Annotated[ApiKey, Depends(operator)]) -> Labelled:
+    done = _ctx(request).store.label_event(event_id, body.assessment, note=body.note, key_id=key.key_id,
+                                           key_name=key.name)
+    if done is None:
+        raise HTTPException(404, f"no stored event {event_id!r}")
+    label, replaced = done
+    if replaced is not None:
+        _log.info("event %s relabelled %s -> %s by key %s", event_id, replaced["assessment"], body.assessment,
+                  key.key_id)
+    return Labelled(envelope_id=event_id, label=Label(**label), replaced=Label(**replaced) if replaced else None)
 
 
 @router.get("/devices/{site}/{device}/answers", summary="Recent answers, edge or cloud (InferenceResult fields "
