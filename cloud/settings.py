@@ -53,6 +53,8 @@ class CloudSettings(BaseModel):
 
     # model + engine
     model: str = "smollm2-135m-q4"  # a path (GGUF file or HF folder) or a shared.assets registry name
+    # a LoRA adapter folder merged into the model at load (apiary finetune): the task-tuned teacher
+    adapter: str | None = None
     served_model_name: str | None = None  # the id clients send as "model"; default: derived from `model`
     device: str = "cpu"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"

@@ -230,10 +230,14 @@ class EscalationWorker:
         from cloud.engine import RequestRejected, SamplingParams
 
         messages = [m.model_dump() for m in req.messages]
-        if not messages and req.prompt is None and req.event is not None:
+        if req.event is not None and req.response_format == "json_action" and (
+                not messages or self.engine.prompt_style != "examples"):
+            # A sensor event is asked in the cloud model's own prompt style: a task-tuned teacher reads the
+            # short prompt it was tuned on, whatever prompt the edge's model needed.
             from shared.prompting import build_messages
 
-            messages = [m.model_dump() for m in build_messages(req.event, list(req.context))]
+            messages = [m.model_dump() for m in build_messages(req.event, list(req.context),
+                                                               style=self.engine.prompt_style)]
         if not messages and req.prompt is None:
             raise RequestRejected("the request has neither messages, a prompt nor an event")
         prompt = None if messages else req.prompt

@@ -1,4 +1,4 @@
-"""`apiary distill`, `apiary quantize` and `apiary image keygen|build|verify|command`: making what runs on devices."""
+"""`apiary finetune`, `apiary distill`, `apiary quantize` and `apiary image keygen|build|verify|command`: making what runs on devices."""
 from __future__ import annotations
 
 import json
@@ -69,6 +69,49 @@ def distill_command(
                                                          "after": after.get("answer_top1_agreement")},
                            "held_out_all_agreement": {"before": before.get("all_top1_agreement"),
                                                       "after": after.get("all_top1_agreement")},
+                           "seconds": round(report.seconds, 1)}, indent=1))
+
+
+def finetune_command(
+    base: Optional[Path] = typer.Option(None, help="Base model to tune (default: the SmolLM2-135M Q4 asset)."),
+    out: Path = typer.Option(Path("results") / "finetune" / "teacher",
+                             help="Working folder: checkpoint.pt, adapter/, report.json."),
+    steps: int = typer.Option(120, help="Optimizer steps."),
+    batch_size: int = typer.Option(8, help="Situations per step."),
+    lr: float = typer.Option(4e-4, help="Peak learning rate (warm-up, then cosine to a tenth)."),
+    rank: int = typer.Option(16, help="LoRA rank."),
+    alpha: float = typer.Option(32.0, help="LoRA alpha (the update is scaled by alpha / rank)."),
+    lora_layers: int = typer.Option(12, help="Adapt the last N layers."),
+    train_situations: int = typer.Option(960, help="Simulator situations to learn from (their own seed)."),
+    val_situations: int = typer.Option(48, help="Held-out situations for the validation accuracy."),
+    labels: list[Path] = typer.Option([], "--labels", help="Operators' labels (apiary fleet export-labels), repeatable."),
+    eval_every: int = typer.Option(40, help="Steps between validation runs."),
+    checkpoint_every: int = typer.Option(10, help="Steps between checkpoints."),
+    seed: int = typer.Option(0),
+    threads: Optional[int] = typer.Option(None, help="Torch threads."),
+    dtype: str = typer.Option("auto", help="Matmul autocast: auto (bf16 where the CPU has it), bfloat16, float32."),
+    resume: bool = typer.Option(True, help="Continue from OUT/checkpoint.pt when present."),
+    progress: bool = typer.Option(True, help="Show the progress bar."),
+) -> None:
+    """Tune the cloud model to the sensor task from labelled situations (LoRA, resumable); the adapter
+    is what `apiary cloud serve --adapter` merges at load."""
+    from deploy.finetune import FinetuneConfig, FinetuneError, finetune
+
+    try:
+        cfg = FinetuneConfig(base=_teacher_path(base), out=out, steps=steps, batch_size=batch_size, lr=lr, rank=rank,
+                             alpha=alpha, lora_layers=lora_layers, train_situations=train_situations,
+                             val_situations=val_situations, labels=list(labels), eval_every=eval_every,
+                             checkpoint_every=checkpoint_every, seed=seed, threads=threads, dtype=dtype)
+        report = finetune(cfg, resume=resume, progress=progress)
+    except (FinetuneError, ValueError, OSError) as e:
+        _fail(str(e))
+    last = report.validation[-1] if report.validation else {}
+    typer.echo(json.dumps({"adapter": report.adapter_dir, "steps": report.steps, "autocast": report.autocast,
+                           "train_examples": report.train_examples,
+                           "prompt_tokens_mean": round(report.prompt_tokens_mean, 1),
+                           "first_loss": report.losses[0] if report.losses else None,
+                           "last_loss": report.losses[-1] if report.losses else None,
+                           "validation_accuracy": last.get("accuracy"), "validation_per_label": last.get("per_label"),
                            "seconds": round(report.seconds, 1)}, indent=1))
 
 
@@ -188,6 +231,7 @@ def _read_config(path: Path) -> dict:
 
 
 def register(app: typer.Typer) -> None:
+    app.command("finetune")(finetune_command)
     app.command("distill")(distill_command)
     app.command("quantize")(quantize_command)
     app.add_typer(image_app, name="image")

@@ -64,11 +64,20 @@ SYSTEM_PROMPT = (
     "- normal: no flags, readings in range\n"
     "- heat_stress: hive_temp_c_high, the hive is too hot\n"
     "- swarming: acoustic_freq_hz_high piping or hive_weight_drop, a swarm is leaving\n"
-    "- robbing: bee_traffic_high alone, strangers robbing honey\n"
+    "- robbing: bee_traffic_high or a higher hum (acoustic_freq_hz_elevated) without piping, strangers robbing honey\n"
     "- sensor_fault: an _implausible or _missing flag, impossible readings\n"
     "- low_battery: battery_v_low, the monitor's battery is running out\n"
     "urgency is low, medium or high. action tells the beekeeper what to do in a few words. "
     "explanation is one short sentence."
+)
+
+# For models tuned on the task (``apiary finetune`` and their students): they know what each
+# assessment means, so the system message only names the answer's shape and allowed values.
+SHORT_SYSTEM_PROMPT = (
+    "You are the assistant of a solar-powered beehive monitor. Read the sensor report and answer "
+    'with one JSON object: {"explanation": "...", "assessment": "...", "urgency": "...", "action": "..."}. '
+    "assessment is normal, heat_stress, swarming, robbing, sensor_fault or low_battery; "
+    "urgency is low, medium or high."
 )
 
 # Worked examples shown as earlier turns of the chat, one per assessment: a 135M model
@@ -124,6 +133,8 @@ FLAG_WORDS: dict[str, str] = {
     "acoustic_freq_hz_high": "loud high-pitched piping", "acoustic_db_high": "the hive is loud",
     "hive_weight_drop": "the hive suddenly lost weight", "hive_humidity_pct_high": "the hive is very damp",
     "hive_humidity_pct_low": "the hive is very dry",
+    "bee_traffic_elevated": "more bees at the entrance than usual",
+    "acoustic_freq_hz_elevated": "the hive hums higher than usual",
 }
 
 
@@ -176,13 +187,21 @@ PREFIX: tuple[ChatMessage, ...] = (ChatMessage(role="system", content=SYSTEM_PRO
         ChatMessage(role="assistant", content=json.dumps({k: answer[k] for k in ACTION_FIELDS}))))
 
 
-def build_messages(event: SensorEvent, context: Sequence[SensorEvent] = ()) -> list[ChatMessage]:
-    """The chat for one event: the fixed prefix (system message and worked examples), then the
-    event's severity and flags, its readings, a short trend, the flags in words and any
-    operator question.
+PROMPT_STYLES = ("examples", "short")
 
+
+def build_messages(event: SensorEvent, context: Sequence[SensorEvent] = (), *,
+                   style: str = "examples") -> list[ChatMessage]:
+    """The chat for one event: the fixed prefix, then the event's severity and flags, its
+    readings, a short trend, the flags in words and any operator question.
+
+    ``style``: ``examples`` (system message and seven worked examples, ~1,400 tokens: what an
+    untuned model needs) or ``short`` (a short system message alone, ~270 tokens: for models
+    fine-tuned on the task, ``apiary finetune``, and students distilled from them).
     ``context`` is the device's recent events, oldest first; only the last few are shown.
     """
+    if style not in PROMPT_STYLES:
+        raise ValueError(f"prompt style must be one of {PROMPT_STYLES}, got {style!r}")
     context = [c for c in context if c.kind == "reading"][-MAX_CONTEXT_IN_PROMPT:]
     lines = [f"Severity: {event.severity.value}. Flags: {', '.join(event.flags) if event.flags else 'none'}."]
     if event.readings:
@@ -193,7 +212,8 @@ def build_messages(event: SensorEvent, context: Sequence[SensorEvent] = ()) -> l
     lines.append(f"Observed: {'; '.join(describe_flag(f) for f in event.flags) or 'nothing unusual'}.")
     if event.kind == "question" and event.question:
         lines.append(f"Beekeeper asks: {event.question.strip()}")
-    return [*PREFIX, ChatMessage(role="user", content="\n".join(lines))]
+    prefix = PREFIX if style == "examples" else (ChatMessage(role="system", content=SHORT_SYSTEM_PROMPT),)
+    return [*prefix, ChatMessage(role="user", content="\n".join(lines))]
 
 
 _DECODER = json.JSONDecoder()

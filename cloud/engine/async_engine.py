@@ -117,6 +117,11 @@ class AsyncEngine:
         return self._engine.max_model_len
 
     @property
+    def prompt_style(self) -> str:
+        """The prompt style the served model was tuned for (its LoRA adapter's; ``examples`` otherwise)."""
+        return self._engine.adapter.prompt_style if self._engine.adapter is not None else "examples"
+
+    @property
     def vocab_size(self) -> int:
         return self._engine.model_config.vocab_size
 

@@ -14,6 +14,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 @dataclass(slots=True)
 class EngineConfig:
     model_path: str | Path
+    adapter_path: str | Path | None = None  # a LoRA adapter folder (cloud.engine.adapter), merged at load
     device: str = "cpu"
     dtype: str = "auto"  # auto: float32 on CPU (the correctness reference), bfloat16 on CUDA
     block_size: int = 16

@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence as Seq
 
 import torch
 
-from cloud.engine import detokenizer
+from cloud.engine import adapter, detokenizer
 from cloud.engine.block_manager import BlockManager
 from cloud.engine.config import EngineConfig
 from cloud.engine.errors import EngineError, EngineOverloaded, RequestRejected, StepInterrupted
@@ -39,6 +39,8 @@ class LLMEngine:
             raise EngineError(f"LLMEngine needs an EngineConfig, got {type(config).__name__}")
         self.config = config
         checkpoint = load_checkpoint(config.model_path)
+        self.adapter = (adapter.merge(checkpoint.weights, config.adapter_path, config.model_path)
+                        if config.adapter_path is not None else None)
         self.model_config = checkpoint.config
         self.tokenizer = load_tokenizer(Path(config.model_path).expanduser(), checkpoint.metadata or None)
         self.max_model_len = min(config.max_model_len or checkpoint.config.max_position, checkpoint.config.max_position)
