@@ -113,6 +113,8 @@ def _print_summary(console, s: dict) -> None:
         ("cloud latency p50 / p99 (ms)", f"{_f(lat['cloud']['p50'])} / {_f(lat['cloud']['p99'])}"),
         ("anomalies caught / injected events", f"{s['anomalies_caught']} / {s['anomalies_injected']}"),
         ("anomalies named exactly", s["anomalies_exact"]),
+        *((f"{tier} answers right (ground truth)", f"{a['right']} / {a['graded']} ({a['accuracy']:.0%})")
+          for tier, a in s["accuracy_by_tier"].items()),
         ("cloud tokens", s["cloud_tokens"]),
     ]
     for k, v in rows:

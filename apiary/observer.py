@@ -145,6 +145,13 @@ class MeshObserver:
         exact = [r for r in injected if r.answer is not None and r.answer.action
                  and r.answer.action.get("assessment") == r.event.truth]
         needing = [r for r in records if r.event.severity != "info" or r.event.flags or r.event.kind == "question"]
+        # Against the simulator's ground truth: each tier's answers whose assessment names the event's label.
+        graded: dict[str, list[int]] = {}
+        for r in answered:
+            if r.event.truth and r.answer.action:
+                tally = graded.setdefault(r.answer.tier, [0, 0])
+                tally[0] += r.answer.action.get("assessment") == r.event.truth
+                tally[1] += 1
 
         def pct(xs: list[float], q: float) -> float | None:
             return float(np.percentile(xs, q)) if xs else None
@@ -165,6 +172,7 @@ class MeshObserver:
             "anomalies_injected": len(injected),
             "anomalies_caught": len(caught),
             "anomalies_exact": len(exact),
+            "accuracy_by_tier": {t: {"right": a, "graded": n, "accuracy": a / n} for t, (a, n) in sorted(graded.items())},
             "cloud_tokens": sum(r.answer.prompt_tokens + r.answer.completion_tokens for r in answered
                                 if r.answer.tier == "cloud"),
             "devices": {f"{s}/{d}": {

@@ -72,11 +72,8 @@ def write(folder: str | Path, config: AdapterConfig, tensors: dict[str, torch.Te
 def file_sha256(path: str | Path) -> str:
     import hashlib
 
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def merge(weights: dict[str, torch.Tensor], folder: str | Path, base_path: str | Path | None = None) -> AdapterConfig:

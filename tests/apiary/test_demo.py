@@ -46,6 +46,9 @@ def test_demo_runs_every_tier_and_cleans_up(tmp_path: Path, gguf_path: Path) -> 
     assert summary["double_answers"] == 0
     assert summary["anomalies_injected"] > 0
     assert summary["answered"] == summary["events_needing_answer"], summary
+    # every answer with an action is graded against the simulator's ground truth, per tier
+    graded = summary["accuracy_by_tier"]
+    assert sum(t["graded"] for t in graded.values()) > 0 and all(0 <= t["accuracy"] <= 1 for t in graded.values())
     # the REST API was up: its engine gauges were scraped at the end
     assert summary["engine"], "no engine metrics from the cloud's /metrics endpoint"
 
