@@ -118,10 +118,14 @@ class HiveProfile:
 
 
 class SiteWeather:
-    """Per-site day-to-day weather: a mean temperature that drifts and a cloud cover."""
+    """Per-site day-to-day weather: a mean temperature that drifts and a cloud cover.
 
-    def __init__(self, seed: int) -> None:
+    ``climate_c`` shifts every day's mean temperature (0: a temperate midsummer around 19 °C;
+    +6: a hot-climate apiary whose afternoons pass 35 °C)."""
+
+    def __init__(self, seed: int, climate_c: float = 0.0) -> None:
         self._seed = seed
+        self.climate_c = climate_c
         self._days: dict[int, tuple[float, float]] = {}
 
     def day(self, t: float) -> tuple[float, float]:
@@ -129,7 +133,7 @@ class SiteWeather:
         d = int(t // DAY)
         if d not in self._days:
             rng = random.Random(self._seed * 1_000_003 + d)
-            self._days[d] = (rng.gauss(19.0, 3.0), min(1.0, max(0.0, rng.betavariate(1.4, 2.6))))
+            self._days[d] = (rng.gauss(19.0, 3.0) + self.climate_c, min(1.0, max(0.0, rng.betavariate(1.4, 2.6))))
         return self._days[d]
 
 
@@ -161,10 +165,15 @@ def cell_voltage(soc: float) -> float:
 
 
 class VirtualHive:
-    """One hive monitor: a profile, a little state (stores, battery), a sequence counter."""
+    """One hive monitor: a profile, a little state (stores, battery), a sequence counter.
 
-    def __init__(self, device_id: int, site: str, weather: SiteWeather, rng: random.Random) -> None:
+    ``noise_scale`` multiplies the Gaussian noise of every sensor reading (1: the calibrated
+    sensors; 2.5: cheaper or ageing sensors)."""
+
+    def __init__(self, device_id: int, site: str, weather: SiteWeather, rng: random.Random, *,
+                 noise_scale: float = 1.0) -> None:
         self.device_id = device_id
+        self.noise_scale = noise_scale
         self.site = site
         self.weather = weather
         self.rng = rng
@@ -176,12 +185,12 @@ class VirtualHive:
 
     def step(self, t: float, anomaly: Anomaly | None = None) -> dict[str, float | None]:
         """Advance the hive to sim time ``t`` and return what its sensors read."""
-        p, rng = self.profile, self.rng
+        p, rng, k = self.profile, self.rng, self.noise_scale
         dt = 0.0 if self.last_t is None else min(max(0.0, t - self.last_t), 6 * HOUR)
         self.last_t = t
         hour = _hour(t)
         mean_c, cloud = self.weather.day(t)
-        ambient = mean_c + p.temp_offset_c + 7.0 * math.cos(2 * math.pi * (hour - 15.0) / 24.0) + rng.gauss(0, 0.3)
+        ambient = mean_c + p.temp_offset_c + 7.0 * math.cos(2 * math.pi * (hour - 15.0) / 24.0) + rng.gauss(0, 0.3 * k)
         activity = flight_activity(hour, ambient, cloud)
         sun = daylight(hour) * (1.0 - 0.75 * cloud)
 
@@ -191,14 +200,16 @@ class VirtualHive:
         self.soc = min(1.0, max(0.0, self.soc + (0.85 * solar_w - p.load_w) * dt / HOUR / p.battery_wh))
 
         r: dict[str, float | None] = {
-            "hive_temp_c": p.brood_temp_c + 0.04 * (ambient - 20.0) + rng.gauss(0, 0.12),
-            "hive_humidity_pct": 60.0 - 4.0 * math.cos(2 * math.pi * (hour - 15.0) / 24.0) + rng.gauss(0, 1.2),
+            "hive_temp_c": p.brood_temp_c + 0.04 * (ambient - 20.0) + rng.gauss(0, 0.12 * k),
+            "hive_humidity_pct": 60.0 - 4.0 * math.cos(2 * math.pi * (hour - 15.0) / 24.0) + rng.gauss(0, 1.2 * k),
             "ambient_temp_c": ambient,
-            "hive_weight_kg": self.stores_kg - 0.45 * p.colony * activity + rng.gauss(0, 0.01),
-            "acoustic_db": 47.0 + 9.0 * activity + 3.0 * p.colony + rng.gauss(0, 0.8),
-            "acoustic_freq_hz": 225.0 + 30.0 * activity + rng.gauss(0, 6.0),
-            "bee_traffic": max(0.0, round(2600.0 * p.colony * activity + rng.gauss(0, 8.0 + 0.05 * 2600 * activity))),
-            "battery_v": cell_voltage(self.soc) + (0.06 if solar_w > 0.85 * p.load_w else 0.0) + rng.gauss(0, 0.005),
+            "hive_weight_kg": self.stores_kg - 0.45 * p.colony * activity + rng.gauss(0, 0.01 * k),
+            "acoustic_db": 47.0 + 9.0 * activity + 3.0 * p.colony + rng.gauss(0, 0.8 * k),
+            "acoustic_freq_hz": 225.0 + 30.0 * activity + rng.gauss(0, 6.0 * k),
+            "bee_traffic": max(0.0, round(2600.0 * p.colony * activity
+                                          + rng.gauss(0, (8.0 + 0.05 * 2600 * activity) * k))),
+            "battery_v": (cell_voltage(self.soc) + (0.06 if solar_w > 0.85 * p.load_w else 0.0)
+                          + rng.gauss(0, 0.005 * k)),
             "solar_w": solar_w,
         }
         if anomaly is not None and anomaly.active(t):
@@ -283,25 +294,31 @@ class SimFrame:
 
 
 class Fleet:
-    """``sites`` x ``devices_per_site`` hives; device ids run from ``first_device_id``."""
+    """``sites`` x ``devices_per_site`` hives; device ids run from ``first_device_id``.
+    ``climate_c`` and ``noise_scale``: see :class:`SiteWeather` and :class:`VirtualHive` (the
+    defaults are the conditions everything is tuned and tested on)."""
 
     def __init__(self, sites: int = 2, devices_per_site: int = 4, *, seed: int = 0, start: float = DEFAULT_START,
-                 interval_s: float = 300.0, first_device_id: int = 1) -> None:
+                 interval_s: float = 300.0, first_device_id: int = 1, climate_c: float = 0.0,
+                 noise_scale: float = 1.0) -> None:
         if sites < 1 or devices_per_site < 1:
             raise BridgeError("a fleet needs at least one site and one device per site")
         if not 0 <= first_device_id or first_device_id + sites * devices_per_site - 1 > 0xFFFF:
             raise BridgeError("device ids must fit in u16 (0..65535)")
         if interval_s <= 0:
             raise BridgeError("interval_s must be positive")
+        if noise_scale < 0:
+            raise BridgeError("noise_scale must be >= 0")
         self.rng = random.Random(seed)
         self.interval_s = interval_s
         self.t = float(start)
         self.hives: list[VirtualHive] = []
         for si in range(sites):
-            weather = SiteWeather(seed * 7919 + si)
+            weather = SiteWeather(seed * 7919 + si, climate_c)
             for di in range(devices_per_site):
                 dev = first_device_id + si * devices_per_site + di
-                self.hives.append(VirtualHive(dev, f"site-{si}", weather, random.Random(self.rng.random())))
+                self.hives.append(VirtualHive(dev, f"site-{si}", weather, random.Random(self.rng.random()),
+                                              noise_scale=noise_scale))
         self.by_id = {h.device_id: h for h in self.hives}
         self.anomalies: list[Anomaly] = []
         self._truth: dict[int, tuple[list[int], list[int], list[str]]] = {}  # dev -> label runs (start, end, kind)
@@ -555,23 +572,30 @@ class LabelledSituation:
     label: str
 
 
-def labelled_situations(n: int, seed: int = 0, *, context: int = 6,
-                        interval_s: float = 300.0) -> list[LabelledSituation]:
+def labelled_situations(n: int, seed: int = 0, *, context: int = 6, interval_s: float = 300.0,
+                        climate_c: float = 0.0, noise_scale: float = 1.0) -> list[LabelledSituation]:
     """``n`` situations, labels balanced over ``ASSESSMENTS`` and shuffled. Each comes from its own
     simulated hive, run for a day to settle, then through encode -> decode -> the bridge's
-    frame-to-event mapping with default thresholds. Deterministic for a given ``seed``."""
+    frame-to-event mapping with default thresholds. Deterministic for a given ``seed``.
+
+    ``climate_c`` (added to every day's mean temperature) and ``noise_scale`` (multiplies every
+    sensor's noise) make situations under conditions other than the defaults everything is tuned
+    on, for distribution-shift evaluation (``bench/make_edge_eval.py``'s ``shift`` split); the
+    defaults reproduce the earlier situations exactly."""
     if n < 0 or context < 0:
         raise BridgeError("n and context must be >= 0")
     rng = random.Random(seed)
     labels = [ASSESSMENTS[i % len(ASSESSMENTS)] for i in range(n)]
     rng.shuffle(labels)
-    return [_situation(label, rng.randrange(1 << 30), context, interval_s) for label in labels]
+    return [_situation(label, rng.randrange(1 << 30), context, interval_s, climate_c, noise_scale)
+            for label in labels]
 
 
-def _situation(label: str, seed: int, context: int, interval_s: float) -> LabelledSituation:
+def _situation(label: str, seed: int, context: int, interval_s: float, climate_c: float = 0.0,
+               noise_scale: float = 1.0) -> LabelledSituation:
     rng = random.Random(seed)
     fleet = Fleet(1, 1, seed=seed, interval_s=interval_s, first_device_id=rng.randrange(1, 10_000),
-                  start=DEFAULT_START + DAY * rng.randrange(0, 60))
+                  start=DEFAULT_START + DAY * rng.randrange(0, 60), climate_c=climate_c, noise_scale=noise_scale)
     hive = fleet.hives[0]
     if label == "normal":
         event_t = fleet.t + DAY + rng.uniform(0, DAY)

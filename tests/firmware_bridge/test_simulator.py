@@ -151,10 +151,26 @@ def test_labelled_situations_are_balanced_deterministic_and_bridge_shaped():
     assert labelled_situations(6, seed=5) != labelled_situations(6, seed=6)
 
 
+def test_climate_and_noise_knobs_shift_the_readings_and_default_to_the_tuned_conditions():
+    base = labelled_situations(6, seed=7)
+    assert labelled_situations(6, seed=7, climate_c=0.0, noise_scale=1.0) == base
+
+    def hive(**conditions):
+        fleet = Fleet(1, 1, seed=3, interval_s=600, **conditions)
+        return [fleet.tick()[0].readings for _ in range(int(2 * DAY / 600))]
+
+    calm, hot, noisy = hive(), hive(climate_c=8.0), hive(noise_scale=3.0)
+    ambient = [h["ambient_temp_c"] - c["ambient_temp_c"] for c, h in zip(calm, hot)]
+    assert 7.0 < statistics.mean(ambient) < 9.0
+    hum_noise = [abs(n["acoustic_freq_hz"] - c["acoustic_freq_hz"]) for c, n in zip(calm, noisy)]
+    assert statistics.mean(hum_noise) > 5.0  # same hive, same draws: only the noise differs
+
+
 @pytest.mark.parametrize("call,match", [
     (lambda: Fleet(0, 1), "at least one"),
     (lambda: Fleet(1, 1, first_device_id=65535 + 1), "u16"),
     (lambda: Fleet(1, 1, interval_s=0), "positive"),
+    (lambda: Fleet(1, 1, noise_scale=-1), "noise_scale"),
     (lambda: Fleet(1, 1).inject("tornado", 1, 0), "unknown anomaly"),
     (lambda: Fleet(1, 1).inject("swarming", 2, 0), "no device 2"),
     (lambda: Fleet(1, 1).inject("sensor_fault", 1, 0, mode="smoke"), "unknown sensor fault"),

@@ -1,0 +1,138 @@
+"""``apiary bench edge``: the eval data is what the bridge publishes, and tiny end-to-end runs write
+the JSON keys and PNGs the docs describe. No accuracy or timing thresholds: 3 situations per split
+say nothing about a model, only that every tier, split and output is wired up."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from typer.testing import CliRunner
+
+from bench import edge
+from bench.make_edge_eval import SPLITS, load
+
+SPLIT_KEYS = {"n", "answered", "accuracy", "triage", "strategies", "escalated", "escalated_policy",
+              "agree_cascade_cloud", "prompt_tokens", "completion_tokens", "edge_joules_per_answered_event",
+              "invalid", "per_label", "confusion", "curve"}
+PNGS = ["edge-confusion-triage.png", "edge-confusion-edge_only.png", "edge-confusion-cloud_only.png",
+        "edge-confusion-cascade.png", "edge-cascade-curve.png"]
+
+
+def test_eval_data_carries_the_bridges_flags():
+    """Every split is on disk at its size, and each event's severity and flags are what the bridge's
+    thresholds give its readings today (so watch-level ``_elevated`` flags are there)."""
+    from firmware_bridge.thresholds import assess
+    from shared.protocol import SensorEvent
+
+    elevated = 0
+    for name, split in SPLITS.items():
+        rows = load(name)
+        assert len(rows) == split.n and all(r["id"].startswith(f"s{split.seed}-") for r in rows)
+        for r in rows:
+            events = [SensorEvent.model_validate(e) for e in [*r["context"], r["event"]]]
+            assert r["label"] == events[-1].truth
+            for prev, ev in zip(events, events[1:]):  # the first context event lacks its predecessor
+                missing = [f.removesuffix("_missing") for f in ev.flags if f.endswith("_missing")]
+                severity, flags = assess(ev.readings, missing=missing, previous=(prev.timestamp, prev.readings),
+                                         timestamp=ev.timestamp)
+                assert (severity, sorted(flags)) == (ev.severity, sorted(ev.flags)), (name, r["id"])
+            elevated += any(f.endswith("_elevated") for f in events[-1].flags)
+    assert elevated > 0
+    assert SPLITS["shift"].conditions and not SPLITS["test"].conditions
+
+
+def test_edge_prompt_style_from_gguf_metadata():
+    def fake(metadata):
+        return SimpleNamespace(llm=SimpleNamespace(metadata=metadata), path=Path("student.gguf"))
+
+    assert edge._edge_style(fake({}), "auto")[0] == "examples"
+    assert edge._edge_style(fake({edge.STYLE_KEY: "short"}), "auto") == ("short", f"GGUF metadata {edge.STYLE_KEY}")
+    assert edge._edge_style(fake({edge.STYLE_KEY: "short"}), "examples")[0] == "examples"
+    with pytest.raises(Exception, match="not one of"):
+        edge._edge_style(fake({edge.STYLE_KEY: "verbose"}), "auto")
+
+
+def test_styled_model_asks_the_same_event_in_another_style():
+    from shared.prompting import build_messages
+    from shared.protocol import SensorEvent
+
+    ev = SensorEvent.model_validate(load("test")[0]["event"])
+    seen = []
+    styled = edge._StyledModel(SimpleNamespace(generate=lambda m, **kw: seen.append(m), version="v"))
+    styled.messages = build_messages(ev, style="short")
+    styled.generate(build_messages(ev), max_tokens=8)
+    assert seen == [styled.messages] and len(seen[0]) == 2 and styled.version == "v"
+    other = SensorEvent.model_validate(load("test")[1]["event"])
+    with pytest.raises(RuntimeError):
+        styled.generate(build_messages(other), max_tokens=8)
+
+
+def _check_record(record: dict, results: Path) -> None:
+    for key in ("runtime", "threshold", "edge", "cloud", "calibration", "splits", "plots", "cases", "rows"):
+        assert key in record, key
+    assert set(record["splits"]) == {"test", "shift"}
+    for name, split in record["splits"].items():
+        assert SPLIT_KEYS <= set(split), (name, SPLIT_KEYS - set(split))
+        assert set(split["accuracy"]) == set(edge.TIERS)
+        assert set(split["strategies"]) == {"edge_only", "cloud_only", "cascade", "cascade_policy"}
+        assert set(split["invalid"]) == {"edge", "cloud", "cascade"}
+        for label, row in split["per_label"].items():
+            assert set(row) == {"n", *edge.TIERS}, label
+        assert split["curve"][0]["threshold"] == "-inf" and split["curve"][-1]["threshold"] == "inf"
+        assert split["curve"][-1]["escalated"] == (1.0 if split["answered"] else 0.0)
+        if split["answered"]:
+            assert split["prompt_tokens"]["edge_mean"] > 0 and split["prompt_tokens"]["cloud_mean"] > 0
+            assert math.isfinite(split["edge_joules_per_answered_event"])
+    assert {c["split"] for c in record["cases"]} == {"calibration", "test", "shift"}
+    for png in PNGS:
+        path = results / png
+        assert path.is_file() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+    assert sorted(Path(p).name for p in record["plots"].values()) == sorted(PNGS)
+
+
+@pytest.mark.timeout(1200)
+def test_command_defaults_write_json_and_pngs(gguf_path, tmp_path, monkeypatch):
+    from apiary.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["bench", "edge", "--limit", "3", "--thread-prompts", "0",
+                                      "--grammar-prompts", "0"])
+    assert result.exit_code == 0, result.output
+    results = tmp_path / "results" / "bench"
+    record = json.loads((results / "edge.json").read_text())
+    _check_record(record, results)
+    assert record["calibration"]["n"] == 3 and len(record["cases"]) == 9
+    assert record["edge"]["prompt_style"] == "examples" and record["cloud"]["prompt_style"] == "examples"
+    assert record["cloud"]["adapter"] is None and record["cloud"]["skipped"] is None
+
+
+@pytest.mark.timeout(1200)
+def test_command_with_adapter_and_short_edge_prompt(gguf_path, tmp_path, monkeypatch):
+    """A (zero) LoRA adapter tuned for the short prompt: the cloud asks in its style, the edge in the
+    one asked for; both send ~300-token prompts instead of ~1,400."""
+    import torch
+
+    from apiary.cli import app
+    from cloud.engine import adapter as adapter_format
+
+    folder = tmp_path / "adapter"
+    target = "model.layers.0.self_attn.q_proj"
+    adapter_format.write(folder, adapter_format.AdapterConfig(rank=2, alpha=4, targets=[target], prompt_style="short"),
+                         {f"{target}.lora_A": torch.zeros(2, 576), f"{target}.lora_B": torch.zeros(576, 2)})
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["bench", "edge", "--limit", "2", "--thread-prompts", "0",
+                                      "--grammar-prompts", "0", "--edge-prompt-style", "short",
+                                      "--cloud-adapter", str(folder)])
+    assert result.exit_code == 0, result.output
+    results = tmp_path / "results" / "bench"
+    record = json.loads((results / "edge.json").read_text())
+    _check_record(record, results)
+    assert record["edge"]["prompt_style"] == "short" and record["cloud"]["prompt_style"] == "short"
+    assert record["cloud"]["adapter"] == str(folder)
+    answered = [s for s in record["splits"].values() if s["answered"]]
+    assert answered
+    for split in answered:
+        assert split["prompt_tokens"]["edge_mean"] < 600 and split["prompt_tokens"]["cloud_mean"] < 600
