@@ -75,12 +75,16 @@ class TokenLogprob:
 # ------------------------------------------------------------------ 1. processing
 
 
+_BYTE_BITS = torch.tensor([[(b >> j) & 1 for j in range(8)] for b in range(256)], dtype=torch.bool)
+
+
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """-inf where the packed allowed-token ``bitmask`` ``[n, ceil(V/32)]`` (int32, bit j of word w = token
-    32w + j) has a 0 bit."""
+    32w + j) has a 0 bit. Unpacked a byte at a time through a 256 x 8 table (little-endian words)."""
     vocab = logits.shape[-1]
-    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.to(logits.device)[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab]
+    table = _BYTE_BITS.to(logits.device)
+    raw = bitmask.contiguous().view(torch.uint8).to(logits.device)  # [n, 4W], byte k holds tokens 8k..8k+7
+    allowed = table[raw.long()].flatten(1)[:, :vocab]
     if allowed.shape[1] < vocab:  # tokens past the grammar's vocabulary (padding rows of the head)
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
     return logits.masked_fill_(~allowed, NEG_INF)
