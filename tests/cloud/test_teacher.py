@@ -8,8 +8,8 @@ import pytest
 
 from cloud.errors import CloudError
 from cloud.settings import CloudSettings
-from shared import assets, topics
-from shared.protocol import InferenceRequest, make
+from shared import assets
+from shared.protocol import InferenceRequest
 from shared.prompting import build_messages
 
 HELD_OUT_SEED = 505  # used by no training, validation or benchmark split
@@ -34,7 +34,6 @@ def test_escalations_are_answered_by_the_tuned_teacher(mosquitto, tmp_path: Path
     gets held-out situations of every label right."""
     from cloud.service import CloudService
     from firmware_bridge.simulator import labelled_situations
-    from shared.transport import MqttTransport
     from tests.cloud.test_mqtt import Edge
 
     service = CloudService(CloudSettings(port=0, broker=mosquitto.config.url, db=str(tmp_path / "cloud.db"),

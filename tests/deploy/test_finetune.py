@@ -14,7 +14,7 @@ from deploy.answers import reference_action
 from deploy.finetune import FinetuneConfig, FinetuneError, add_lora, finetune, lora_tensors
 from deploy.student import load_model
 from firmware_bridge.simulator import labelled_situations
-from shared.prompting import ACTION_FIELDS, ACTION_JSON_SCHEMA, build_messages, parse_action
+from shared.prompting import ACTION_FIELDS, ACTION_JSON_SCHEMA, parse_action
 from tests.cloud.engine.tiny import make_checkpoint
 
 

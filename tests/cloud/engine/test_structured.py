@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from cloud.engine import EngineConfig, LLMEngine, RequestRejected, SamplingParams, SpeculativeConfig
+from cloud.engine import LLMEngine, RequestRejected, SamplingParams, SpeculativeConfig
 from cloud.engine.sampling_params import StructuredOutput
 from tests.cloud.engine.conftest import prompt_logits
 from tests.cloud.engine.test_engine import engine_for, prompts
