@@ -19,7 +19,9 @@ cascade can be replayed for any threshold without re-running a model:
   applies the default policy's rule that critical-severity events always go to the cloud.
 
 Prompt styles (``shared.prompting.build_messages``): the edge asks in ``--edge-prompt-style``
-(``auto``: the GGUF's ``apiary.prompt_style`` metadata, else ``examples``), the cloud in its
+(``auto``: ``LocalModel``'s own resolution, the GGUF's ``apiary.prompt_style`` metadata
+(``shared.prompting.PROMPT_STYLE_KEY``), else ``examples``; the agent's Responder builds the
+prompt in ``LocalModel.prompt_style``), the cloud in its
 engine's style (``AsyncEngine.prompt_style``: the adapter's, else ``examples``), as the worker
 does. With the defaults both tiers are the registry model with the worked-examples prompt.
 
@@ -47,7 +49,6 @@ import typer
 
 CALIBRATION = "calibration"
 SCORED_SPLITS = ("test", "shift")
-STYLE_KEY = "apiary.prompt_style"  # GGUF metadata key: the prompt style a model was tuned for
 STYLE_CHOICES = ("auto", "examples", "short")
 TIERS = ("triage", "edge_only", "cloud_only", "cascade")
 TIER_NAMES = {"triage": "triage", "edge_only": "edge only", "cloud_only": "cloud only", "cascade": "cascade"}
@@ -103,54 +104,15 @@ def _load_cases(limit: int) -> list[Case]:
     return cases
 
 
-class _StyledModel:
-    """The LocalModel as the agent's Responder sees it, but asked in the bench's prompt style.
-
-    The Responder builds the worked-examples prompt; a task-tuned student reads the short one.
-    The bench sets each event's styled chat (``messages``) before the Responder runs; ``generate``
-    checks that the event's own message (the last) is the one the Responder built and runs the
-    styled chat instead. Everything else is the wrapped model's."""
-
-    def __init__(self, model: Any) -> None:
-        self._model = model
-        self.messages: list[Any] | None = None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._model, name)
-
-    def generate(self, messages: Sequence[Any], **kwargs: Any) -> Any:
-        if self.messages is not None:
-            if messages[-1] != self.messages[-1]:
-                raise RuntimeError("the Responder asked about another event than the bench prepared")
-            messages = self.messages
-        return self._model.generate(messages, **kwargs)
-
-
-def _edge_style(model: Any, option: str) -> tuple[str, str]:
-    """The edge's prompt style and where it came from (``auto``: the GGUF's metadata, else examples)."""
-    from shared.prompting import PROMPT_STYLES
-
-    if option != "auto":
-        return option, "--edge-prompt-style"
-    value = (model.llm.metadata or {}).get(STYLE_KEY)
-    if value is None:
-        return "examples", f"default (no {STYLE_KEY} in the GGUF)"
-    if value not in PROMPT_STYLES:
-        raise typer.BadParameter(f"{model.path.name} has {STYLE_KEY}={value!r}, not one of {PROMPT_STYLES}")
-    return value, f"GGUF metadata {STYLE_KEY}"
-
-
-def _run_edge(cases: list[Case], settings: Any, model: Any, style: str) -> None:
-    """Each case through the agent's Responder, always answering locally (the cascade is replayed later)."""
+def _run_edge(cases: list[Case], settings: Any, model: Any) -> None:
+    """Each case through the agent's Responder, always answering locally (the cascade is replayed later);
+    the Responder asks in the model's prompt style."""
     from edge.policy import EscalationPolicy, Situation
     from edge.responder import Responder
-    from shared.prompting import build_messages
 
-    styled = _StyledModel(model)
-    responder = Responder(settings, styled)
+    responder = Responder(settings, model)
     default = EscalationPolicy()
     for i, c in enumerate(cases):
-        styled.messages = build_messages(c.event, c.context, style=style)
         out = responder.respond(c.event, c.context, request_id=c.id)
         if out.route == "logged":
             continue
@@ -514,7 +476,8 @@ def command(
     max_escalated: float = typer.Option(0.5, help="most of the answered events the cascade may escalate"),
     edge_model: Path = typer.Option(None, help="edge GGUF (default: the registry's SmolLM2-135M Q4_1)"),
     edge_prompt_style: str = typer.Option(
-        "auto", help=f"edge prompt style: auto (the GGUF's {STYLE_KEY}, else examples) | examples | short"),
+        "auto", help="edge prompt style: auto (the GGUF's apiary.prompt_style metadata, else examples) | examples "
+                     "| short"),
     cloud_adapter: Path = typer.Option(
         None, help="LoRA adapter folder for the cloud engine (apiary finetune); its prompt style is the cloud's"),
     cloud_dtype: str = typer.Option("float32", help="cloud engine dtype (float32 | bfloat16)"),
@@ -525,6 +488,7 @@ def command(
 ) -> None:
     """Evaluate edge-only, cloud-only and the cascade; measure the edge's speed, latency, memory and energy."""
     from bench.common import RESULTS_DIR, percentile, report
+    from edge.errors import EdgeError
     from edge.model import LocalModel
     from edge.settings import EdgeSettings, PolicySettings, PowerProfile
     from shared import assets
@@ -536,17 +500,20 @@ def command(
     rss0 = _rss_mib()
     base_gguf = str(assets.ensure("smollm2-135m-q4"))
     edge_gguf = str(edge_model) if edge_model is not None else base_gguf
-    settings = EdgeSettings(threads=threads, power=PowerProfile(enabled=False),
+    settings = EdgeSettings(threads=threads, prompt_style=edge_prompt_style, power=PowerProfile(enabled=False),
                             policy=PolicySettings(min_confidence=-math.inf, critical_severities=[]))
     cases = _load_cases(limit)
     print(f"{len(cases)} situations ({sum(c.needs_answer for c in cases)} need an answer); edge pass ...")
     load_t = time.perf_counter()
-    model = LocalModel(edge_gguf, n_ctx=settings.n_ctx, threads=threads, top_k=settings.top_k)
+    try:
+        model = LocalModel.from_settings(settings, edge_gguf)
+    except EdgeError as e:
+        raise typer.BadParameter(str(e)) from None
     load_s = time.perf_counter() - load_t
-    edge_style, edge_style_source = _edge_style(model, edge_prompt_style)
+    edge_style, edge_style_source = model.prompt_style, model.prompt_style_source
     print(f"edge: {Path(edge_gguf).name}, {edge_style} prompt ({edge_style_source})")
     t0 = time.perf_counter()
-    _run_edge(cases, settings, model, edge_style)
+    _run_edge(cases, settings, model)
     edge_s = time.perf_counter() - t0
     rss_edge = _rss_mib()
     speed_rows = _thread_comparison(model, cases, thread_prompts, edge_style) if thread_prompts else []

@@ -5,21 +5,28 @@ converter: llama architecture keys, the teacher's tokenizer metadata and chat te
 (kept in the folder by ``apiary distill``), q/k projections permuted back to llama.cpp's
 interleaved-RoPE order, norms in F32, block weights in Q4_0/Q4_1 and the (tied)
 embedding in Q8_0, as in the SmolLM2 Q4_1 release, because it doubles as the output
-head and is the most quantisation-sensitive matrix.
+head and is the most quantisation-sensitive matrix (Q5_0 on request: a smaller file, to be
+checked with the agreement below). An untied output head stays Q8_0.
+
+A folder tuned for a prompt style (``config.json``: ``apiary_distill.prompt_style`` or a
+top-level ``apiary_prompt_style``) gets it as the GGUF string ``apiary.prompt_style``, which
+the edge's ``LocalModel`` reads to ask the model in that style.
 
 The quality check is teacher-forced top-1 agreement of the GGUF in llama.cpp with the
 float32 folder in torch, over held-out sensor samples (or prompts + general text).
 """
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 QTYPES = ("q4_0", "q4_1")
+EMBED_QTYPES = ("q8_0", "q5_0")  # token_embd.weight (the tied output head too)
 
 
 class QuantizeError(ValueError):
@@ -34,6 +41,8 @@ class QuantizeReport:
     fp32_bytes: int
     top1_agreement: float | None = None
     positions: int = 0
+    embed_qtype: str = "q8_0"
+    prompt_style: str | None = None  # the apiary.prompt_style written into the GGUF, if any
 
 
 def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -63,8 +72,28 @@ def gguf_name(hf: str) -> str:
     raise QuantizeError(f"no GGUF name for tensor {hf}")
 
 
-def export_gguf(folder: str | Path, out: str | Path, qtype: str = "q4_0", name: str | None = None) -> Path:
-    """Write ``folder`` (config.json + safetensors + tokenizer_gguf.json) as a quantised GGUF at ``out``."""
+def folder_prompt_style(folder: str | Path) -> str | None:
+    """The prompt style ``folder``'s model was tuned for: ``config.json``'s ``apiary_distill.prompt_style``,
+    else its ``apiary_prompt_style``, else None. Raises :class:`QuantizeError` for an unknown style."""
+    from shared.prompting import PROMPT_STYLES
+
+    path = Path(folder) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise QuantizeError(f"cannot read {path}: {e}") from None
+    distill = config.get("apiary_distill")
+    style = (distill.get("prompt_style") if isinstance(distill, dict) else None) or config.get("apiary_prompt_style")
+    if style is not None and style not in PROMPT_STYLES:
+        raise QuantizeError(f"{path} names prompt style {style!r}, not one of {', '.join(PROMPT_STYLES)}")
+    return style
+
+
+def export_gguf(folder: str | Path, out: str | Path, qtype: str = "q4_0", name: str | None = None,
+                embed_qtype: str = "q8_0") -> Path:
+    """Write ``folder`` (config.json + safetensors + tokenizer_gguf.json) as a quantised GGUF at ``out``:
+    block weights in ``qtype``, the token embedding in ``embed_qtype``, the folder's prompt style (if it
+    names one) as ``apiary.prompt_style``."""
     import gguf
 
     from cloud.engine.errors import EngineError
@@ -74,22 +103,26 @@ def export_gguf(folder: str | Path, out: str | Path, qtype: str = "q4_0", name: 
     folder, out = Path(folder), Path(out)
     if qtype not in QTYPES:
         raise QuantizeError(f"qtype must be one of {QTYPES}, got {qtype!r}")
+    if embed_qtype not in EMBED_QTYPES:
+        raise QuantizeError(f"embed_qtype must be one of {EMBED_QTYPES}, got {embed_qtype!r}")
     try:
         ckpt = load_checkpoint(folder)
         tok = read_tokenizer_metadata(folder)
     except (EngineError, FileNotFoundError, ValueError) as e:
         raise QuantizeError(f"cannot export {folder}: {e}") from None
+    style = folder_prompt_style(folder)
     c = ckpt.config
     if c.architecture != "llama" or c.attention_bias or c.rope_scaling:
         raise QuantizeError(f"only plain Llama folders are exported (got {c.architecture}, bias={c.attention_bias}, "
                             f"rope_scaling={c.rope_scaling})")
     block_type = gguf.GGMLQuantizationType.Q4_0 if qtype == "q4_0" else gguf.GGMLQuantizationType.Q4_1
     file_type = gguf.LlamaFileType.MOSTLY_Q4_0 if qtype == "q4_0" else gguf.LlamaFileType.MOSTLY_Q4_1
+    embed_type = gguf.GGMLQuantizationType.Q8_0 if embed_qtype == "q8_0" else gguf.GGMLQuantizationType.Q5_0
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     try:
-        _write(tmp, folder, name, c, ckpt.weights, tok, block_type, file_type)
+        _write(tmp, folder, name, c, ckpt.weights, tok, block_type, file_type, embed_type, style)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -98,8 +131,10 @@ def export_gguf(folder: str | Path, out: str | Path, qtype: str = "q4_0", name: 
 
 
 def _write(tmp: Path, folder: Path, name: str | None, c: Any, weights: dict[str, Any], tok: dict[str, Any],
-           block_type: Any, file_type: Any) -> None:
+           block_type: Any, file_type: Any, embed_type: Any, prompt_style: str | None) -> None:
     import gguf
+
+    from shared.prompting import PROMPT_STYLE_KEY
 
     w = gguf.GGUFWriter(tmp, arch="llama")
     w.add_type("model")
@@ -120,6 +155,8 @@ def _write(tmp: Path, folder: Path, name: str | None, c: Any, weights: dict[str,
     w.add_file_type(file_type)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _add_tokenizer(w, tok)
+    if prompt_style is not None:
+        w.add_string(PROMPT_STYLE_KEY, prompt_style)
 
     names = sorted(weights, key=_tensor_order)
     for hf in names:
@@ -134,7 +171,7 @@ def _write(tmp: Path, folder: Path, name: str | None, c: Any, weights: dict[str,
         if data.ndim == 1:
             w.add_tensor(name_, data)
             continue
-        kind = gguf.GGMLQuantizationType.Q8_0 if name_ in ("token_embd.weight", "output.weight") else block_type
+        kind = {"token_embd.weight": embed_type, "output.weight": gguf.GGMLQuantizationType.Q8_0}.get(name_, block_type)
         if data.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0]:
             raise QuantizeError(f"{hf} has {data.shape[-1]} columns, not a multiple of the {kind.name} block size")
         w.add_tensor(name_, gguf.quants.quantize(data, kind), raw_dtype=kind)
@@ -194,18 +231,18 @@ def eval_sequences(folder: str | Path, corpus_path: str | Path | None = None, n:
 
 
 def quantize(folder: str | Path, out: str | Path, qtype: str = "q4_0", *, corpus_path: str | Path | None = None,
-             n_eval: int = 16, threads: int = 2) -> QuantizeReport:
+             n_eval: int = 16, threads: int = 2, embed_qtype: str = "q8_0") -> QuantizeReport:
     """Export, then measure the GGUF (llama.cpp) against the folder's float32 model (torch)."""
     from deploy.agreement import agreement, llama_top1, torch_top1
     from deploy.student import load_model
 
-    path = export_gguf(folder, out, qtype)
+    path = export_gguf(folder, out, qtype, embed_qtype=embed_qtype)
     fp32 = sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
-    report = QuantizeReport(path=path, qtype=qtype, size_bytes=path.stat().st_size, fp32_bytes=fp32)
+    report = QuantizeReport(path=path, qtype=qtype, size_bytes=path.stat().st_size, fp32_bytes=fp32,
+                            embed_qtype=embed_qtype, prompt_style=folder_prompt_style(folder))
     if n_eval <= 0:
         return report
     seqs = eval_sequences(folder, corpus_path, n_eval)
     model, _ = load_model(folder)
     result = agreement(torch_top1(model, seqs), llama_top1(path, seqs, threads=threads))
-    return QuantizeReport(path=path, qtype=qtype, size_bytes=report.size_bytes, fp32_bytes=fp32,
-                          top1_agreement=result.rate, positions=result.positions)
+    return replace(report, top1_agreement=result.rate, positions=result.positions)

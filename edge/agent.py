@@ -103,7 +103,7 @@ class EdgeAgent:
         """Load the model, subscribe, connect (retrying until stopped), start the threads."""
         s = self.settings
         if self._model is None:
-            self._model = LocalModel(s.resolve_model_path(), n_ctx=s.n_ctx, threads=s.threads, top_k=s.top_k)
+            self._model = LocalModel.from_settings(s)
         self.responder = Responder(s, self._model)
         self.transport.set_will(topics.state(self.site, self.device), self._state_envelope("death"))
         self.transport.add_link_listener(self._on_link)

@@ -9,6 +9,8 @@ import typer
 # Rich markup would swallow "[mqtt]": escape the brackets.
 BROKER_HELP = "MQTT broker URL (mqtt://host:port); default: \\[mqtt] in the config, else mqtt://127.0.0.1:1883"
 CONFIG_HELP = "apiary TOML config (\\[edge] and \\[mqtt] sections); also $APIARY_CONFIG"
+STYLE_HELP = ("prompt style the model is asked in: auto (the GGUF's apiary.prompt_style, else examples) | examples | "
+              "short; default: prompt_style in \\[edge], else auto")
 
 
 def edge_app() -> typer.Typer:
@@ -30,6 +32,7 @@ def run(
     broker: Optional[str] = typer.Option(None, "--broker", help=BROKER_HELP),
     model: Optional[Path] = typer.Option(None, "--model", help="GGUF file; default: the registry's SmolLM2-135M Q4_1"),
     state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="where the SQLite inbox/outbox lives"),
+    prompt_style: Optional[str] = typer.Option(None, "--prompt-style", help=STYLE_HELP),
     config: Optional[Path] = typer.Option(None, "--config", help=CONFIG_HELP),
 ) -> None:
     """Serve one device: answer its sensor events locally or via the cloud until SIGTERM/Ctrl-C."""
@@ -49,7 +52,7 @@ def run(
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         settings = load(config, model_path=str(model) if model else None,
-                        state_dir=str(state_dir) if state_dir else None)
+                        state_dir=str(state_dir) if state_dir else None, prompt_style=prompt_style)
         mqtt = MqttConfig.from_url(broker) if broker else load_section("mqtt", MqttConfig, config)
         agent = EdgeAgent(settings, site=site, device=device, mqtt=mqtt)
         agent.run(stop)
@@ -67,6 +70,7 @@ def answer(
     severity: str = typer.Option("warning", "--severity", help="info | warning | critical"),
     question: Optional[str] = typer.Option(None, "--question", help="an operator question"),
     model: Optional[Path] = typer.Option(None, "--model", help="GGUF file; default: the registry model"),
+    prompt_style: Optional[str] = typer.Option(None, "--prompt-style", help=STYLE_HELP),
     config: Optional[Path] = typer.Option(None, "--config", help=CONFIG_HELP),
 ) -> None:
     """Answer one situation with the local model and print the answer, confidence and policy decision."""
@@ -88,9 +92,8 @@ def answer(
         event = SensorEvent(site="cli", device="cli", seq=0, timestamp=time.time(), readings=values,
                             severity=severity, flags=[f for f in flags.split(",") if f],
                             kind="question" if question else "reading", question=question)
-        settings = load(config, model_path=str(model) if model else None)
-        responder = Responder(settings, LocalModel(settings.resolve_model_path(), n_ctx=settings.n_ctx,
-                                                   threads=settings.threads, top_k=settings.top_k))
+        settings = load(config, model_path=str(model) if model else None, prompt_style=prompt_style)
+        responder = Responder(settings, LocalModel.from_settings(settings))
     except (json.JSONDecodeError, ValidationError, ConfigError, EdgeError, AssetError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
@@ -98,6 +101,7 @@ def answer(
     doc = {"route": out.route, "answer": out.answer.model_dump(mode="json") if out.answer else None,
            "escalate": out.decision.escalate if out.decision else False,
            "reasons": list(out.decision.reasons) if out.decision else [],
+           "prompt_style": responder.model.prompt_style, "prompt_style_source": responder.model.prompt_style_source,
            "confidence": out.confidence.quantiles if out.confidence else None,
            "tokens_per_s": round(out.generation.tokens_per_s, 1) if out.generation else None}
     typer.echo(json.dumps(doc, indent=2))

@@ -14,6 +14,10 @@ distribution), the log-probability among the grammar-allowed candidates (the "ch
 logprob: how sure the model is between the answers it may give) and that
 distribution's entropy. The prompt's longest common prefix with the previous prompt
 is kept in the KV cache, so the fixed system message is evaluated once.
+
+The prompt style the model is asked in (``shared.prompting.build_messages``) is the model's
+own: a task-tuned GGUF records it under ``apiary.prompt_style`` (``apiary quantize`` writes
+it), anything else reads the worked-examples prompt.
 """
 from __future__ import annotations
 
@@ -23,15 +27,35 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from edge.errors import EdgeError
 from shared.protocol import ChatMessage
-from shared.prompting import ACTION_JSON_SCHEMA
+from shared.prompting import ACTION_JSON_SCHEMA, PROMPT_STYLE_KEY, PROMPT_STYLES
+
+if TYPE_CHECKING:
+    from edge.settings import EdgeSettings
 
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+
+
+def resolve_prompt_style(argument: str | None, metadata: dict[str, str], name: str) -> tuple[str, str]:
+    """The prompt style to ask a model in and where it came from: ``argument`` when given, else the
+    GGUF's :data:`~shared.prompting.PROMPT_STYLE_KEY` metadata, else ``examples``. Raises
+    :class:`EdgeError` for a style that is not one of :data:`~shared.prompting.PROMPT_STYLES`."""
+    if argument is not None:
+        if argument not in PROMPT_STYLES:
+            raise EdgeError(f"prompt style must be one of {', '.join(PROMPT_STYLES)}, got {argument!r}")
+        return argument, "argument"
+    value = metadata.get(PROMPT_STYLE_KEY)
+    if value is None:
+        return "examples", f"default (no {PROMPT_STYLE_KEY} in the GGUF)"
+    if value not in PROMPT_STYLES:
+        raise EdgeError(f"{name} has {PROMPT_STYLE_KEY}={value!r} in its metadata, not one of "
+                        f"{', '.join(PROMPT_STYLES)}")
+    return value, f"GGUF metadata {PROMPT_STYLE_KEY}"
 
 
 def action_grammar() -> str:
@@ -80,16 +104,21 @@ class Generation:
 
 
 class LocalModel:
-    """A GGUF model in llama.cpp, answering chats with grammar-constrained greedy decoding."""
+    """A GGUF model in llama.cpp, answering chats with grammar-constrained greedy decoding.
+
+    ``prompt_style`` is the ``build_messages`` style callers ask it in: ``prompt_style`` when given,
+    else the GGUF's ``apiary.prompt_style``, else ``examples`` (``prompt_style_source`` says which)."""
 
     def __init__(self, path: str | Path, *, n_ctx: int = 1024, threads: int = 2, top_k: int = 40,
-                 grammar: str | None = None) -> None:
+                 grammar: str | None = None, prompt_style: str | None = None) -> None:
         from llama_cpp import Llama
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         self.path = Path(path)
         if not self.path.is_file():
             raise EdgeError(f"model file not found: {self.path}")
+        if prompt_style is not None:  # a bad argument fails before the model is loaded
+            resolve_prompt_style(prompt_style, {}, self.path.name)
         try:
             self.llm = Llama(str(self.path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                              n_batch=512, logits_all=False, verbose=False)
@@ -103,6 +132,12 @@ class LocalModel:
         template = self.llm.metadata.get("tokenizer.chat_template")
         if not template:
             raise EdgeError(f"{self.path.name} has no chat template in its metadata")
+        try:
+            self.prompt_style, self.prompt_style_source = resolve_prompt_style(
+                prompt_style, self.llm.metadata or {}, self.path.name)
+        except EdgeError:
+            self.llm.close()
+            raise
         eos = self.llm._model.token_get_text(self.llm.token_eos())
         bos = self.llm._model.token_get_text(self.llm.token_bos()) if self.llm.token_bos() >= 0 else ""
         self._formatter = Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)
@@ -113,6 +148,13 @@ class LocalModel:
         self._all_ids = np.arange(self.n_vocab, dtype=np.int32)
         self._piece_cache: dict[int, bytes] = {}
         self._eos = self.llm.token_eos()  # always a candidate: once the JSON is complete only it is allowed
+
+    @classmethod
+    def from_settings(cls, settings: "EdgeSettings", path: str | Path | None = None) -> "LocalModel":
+        """The model ``[edge]`` describes (``path`` instead of its model file when given): context,
+        threads, top-k and prompt style (``auto``: the GGUF's own)."""
+        return cls(path if path is not None else settings.resolve_model_path(), n_ctx=settings.n_ctx,
+                   threads=settings.threads, top_k=settings.top_k, prompt_style=settings.model_prompt_style)
 
     @property
     def version(self) -> str:

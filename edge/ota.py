@@ -183,18 +183,19 @@ PROBE_EVENT = SensorEvent(  # a plain heat-stress case, in the simulator's readi
 
 
 def probe_model(model_path: str | Path, *, max_tokens: int = 96, threads: int = 2, n_ctx: int = 2048) -> dict[str, Any]:
-    """Answer the probe event the way the agent answers events (``edge.model.LocalModel``, shared prompt and parser)."""
+    """Answer the probe event the way the agent answers events (``edge.model.LocalModel``, shared prompt in the
+    model's own style, shared parser)."""
     from edge.model import LocalModel
     from shared.prompting import build_messages, parse_action
 
     t0 = time.perf_counter()
     model = LocalModel(model_path, n_ctx=n_ctx, threads=threads)
     loaded = time.perf_counter()
-    gen = model.generate(build_messages(PROBE_EVENT), max_tokens=max_tokens)
+    gen = model.generate(build_messages(PROBE_EVENT, style=model.prompt_style), max_tokens=max_tokens)
     model.close()
     action = parse_action(gen.text)
     return {"text": gen.text, "finished": gen.finished, "completion_tokens": gen.completion_tokens,
-            "load_s": loaded - t0, "answer_s": time.perf_counter() - loaded,
+            "load_s": loaded - t0, "answer_s": time.perf_counter() - loaded, "prompt_style": model.prompt_style,
             "action": action.model_dump(mode="json") if action else None}
 
 

@@ -81,7 +81,8 @@ class Responder:
         situation = Situation.of(event, link_up=link_up, escalations_last_hour=self.escalations_last_hour(),
                                  battery_soc=self.budget.battery_soc, energy_short=self.budget.short(max_tokens))
         plan = self.policy.plan(situation)
-        messages = build_messages(event, context)
+        style = getattr(self.model, "prompt_style", "examples")
+        messages = build_messages(event, context, style=style)
         gen = conf = action = None
         attempt = None
         energy = 0.0
@@ -116,7 +117,11 @@ class Responder:
             self._escalations.append(time.monotonic())
             out.route = "escalated"
             out.request = InferenceRequest(
-                request_id=request_id, site=event.site, device=event.device, messages=messages,
+                request_id=request_id, site=event.site, device=event.device,
+                # The cloud worker asks an untuned model with the request's messages as they are (it needs the
+                # examples prompt) and rebuilds them for a tuned one, so they are the examples prompt whatever
+                # style the local model reads.
+                messages=messages if style == "examples" else build_messages(event, context),
                 max_tokens=self.settings.cloud_max_tokens, temperature=0.0,
                 priority=priority_for(event.severity, question=event.kind == "question"),
                 deadline=time.time() + self.settings.escalation_deadline_s, event=without_truth(event),

@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shared.config import load_section
+from shared.prompting import PROMPT_STYLES
 from shared.protocol import Severity
 
 
@@ -84,6 +85,9 @@ class EdgeSettings(_Section):
 
     model_path: str | None = None  # a GGUF file; None: the registry model below
     model_name: str = "smollm2-135m-q4"
+    # The shared.prompting style the model is asked in: "auto" (the GGUF's apiary.prompt_style metadata,
+    # written by `apiary quantize` for a task-tuned model, else "examples"), "examples" or "short".
+    prompt_style: str = "auto"
     threads: int = Field(default=2, ge=1)
     n_ctx: int = Field(default=2048, ge=256)
     max_tokens: int = Field(default=96, ge=16)  # the JSON action needs ~40-90 tokens
@@ -99,6 +103,18 @@ class EdgeSettings(_Section):
     state_interval_s: float = Field(default=60.0, gt=0)  # telemetry update at most this often
     policy: PolicySettings = Field(default_factory=PolicySettings)
     power: PowerProfile = Field(default_factory=PowerProfile)
+
+    @field_validator("prompt_style")
+    @classmethod
+    def _known_style(cls, style: str) -> str:
+        if style != "auto" and style not in PROMPT_STYLES:
+            raise ValueError(f"prompt_style must be auto, {' or '.join(PROMPT_STYLES)}, got {style!r}")
+        return style
+
+    @property
+    def model_prompt_style(self) -> str | None:
+        """``prompt_style`` as ``LocalModel`` takes it: None for ``auto`` (the model's own)."""
+        return None if self.prompt_style == "auto" else self.prompt_style
 
     @model_validator(mode="after")
     def _tokens_fit(self) -> "EdgeSettings":

@@ -188,6 +188,9 @@ PREFIX: tuple[ChatMessage, ...] = (ChatMessage(role="system", content=SYSTEM_PRO
 
 
 PROMPT_STYLES = ("examples", "short")
+# GGUF metadata key (a string, one of PROMPT_STYLES): the prompt style a model was tuned for.
+# `apiary quantize` writes it from the folder's config.json; the edge's LocalModel reads it.
+PROMPT_STYLE_KEY = "apiary.prompt_style"
 
 
 def build_messages(event: SensorEvent, context: Sequence[SensorEvent] = (), *,

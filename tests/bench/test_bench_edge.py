@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from typer.testing import CliRunner
@@ -44,30 +43,41 @@ def test_eval_data_carries_the_bridges_flags():
     assert SPLITS["shift"].conditions and not SPLITS["test"].conditions
 
 
-def test_edge_prompt_style_from_gguf_metadata():
-    def fake(metadata):
-        return SimpleNamespace(llm=SimpleNamespace(metadata=metadata), path=Path("student.gguf"))
+@pytest.fixture(scope="module")
+def tuned_ggufs(tmp_path_factory: pytest.TempPathFactory, gguf_path: Path) -> dict[str, Path]:
+    """Tiny random-weight edge GGUFs (apiary quantize): "short" tuned for the short prompt, "verbose" naming an
+    unknown style."""
+    from tests.edge.helpers import export_styled_ggufs
 
-    assert edge._edge_style(fake({}), "auto")[0] == "examples"
-    assert edge._edge_style(fake({edge.STYLE_KEY: "short"}), "auto") == ("short", f"GGUF metadata {edge.STYLE_KEY}")
-    assert edge._edge_style(fake({edge.STYLE_KEY: "short"}), "examples")[0] == "examples"
-    with pytest.raises(Exception, match="not one of"):
-        edge._edge_style(fake({edge.STYLE_KEY: "verbose"}), "auto")
+    return export_styled_ggufs(tmp_path_factory.mktemp("tuned"), gguf_path)
 
 
-def test_styled_model_asks_the_same_event_in_another_style():
-    from shared.prompting import build_messages
-    from shared.protocol import SensorEvent
+@pytest.mark.timeout(600)
+def test_auto_edge_prompt_style_is_the_models_own(tuned_ggufs, tmp_path, monkeypatch):
+    """``--edge-prompt-style auto``: the edge model's LocalModel resolves the style (here its GGUF metadata),
+    the Responder asks in it, and the JSON says where it came from."""
+    from apiary.cli import app
+    from shared.prompting import PROMPT_STYLE_KEY
 
-    ev = SensorEvent.model_validate(load("test")[0]["event"])
-    seen = []
-    styled = edge._StyledModel(SimpleNamespace(generate=lambda m, **kw: seen.append(m), version="v"))
-    styled.messages = build_messages(ev, style="short")
-    styled.generate(build_messages(ev), max_tokens=8)
-    assert seen == [styled.messages] and len(seen[0]) == 2 and styled.version == "v"
-    other = SensorEvent.model_validate(load("test")[1]["event"])
-    with pytest.raises(RuntimeError):
-        styled.generate(build_messages(other), max_tokens=8)
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["bench", "edge", "--limit", "1", "--thread-prompts", "0", "--grammar-prompts",
+                                      "0", "--skip-cloud", "--edge-model", str(tuned_ggufs["short"])])
+    assert result.exit_code == 0, result.output
+    record = json.loads((tmp_path / "results" / "bench" / "edge.json").read_text())
+    assert record["edge"] == {"model": str(tuned_ggufs["short"]), "prompt_style": "short",
+                              "prompt_style_source": f"GGUF metadata {PROMPT_STYLE_KEY}"}
+    answered = [s for s in record["splits"].values() if s["answered"]]
+    assert answered  # the short prompt (~280 tokens), not the examples one (~1,400)
+    assert all(0 < split["prompt_tokens"]["edge_mean"] < 600 for split in answered)
+
+
+def test_an_unknown_style_in_the_gguf_is_a_clear_error(tuned_ggufs, tmp_path, monkeypatch):
+    from apiary.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["bench", "edge", "--limit", "1", "--skip-cloud",
+                                      "--edge-model", str(tuned_ggufs["verbose"])])
+    assert result.exit_code == 2 and "apiary.prompt_style='verbose'" in result.output, result.output
 
 
 def _check_record(record: dict, results: Path) -> None:
@@ -106,6 +116,7 @@ def test_command_defaults_write_json_and_pngs(gguf_path, tmp_path, monkeypatch):
     _check_record(record, results)
     assert record["calibration"]["n"] == 3 and len(record["cases"]) == 9
     assert record["edge"]["prompt_style"] == "examples" and record["cloud"]["prompt_style"] == "examples"
+    assert record["edge"]["prompt_style_source"] == "default (no apiary.prompt_style in the GGUF)"
     assert record["cloud"]["adapter"] is None and record["cloud"]["skipped"] is None
 
 
@@ -131,6 +142,7 @@ def test_command_with_adapter_and_short_edge_prompt(gguf_path, tmp_path, monkeyp
     record = json.loads((results / "edge.json").read_text())
     _check_record(record, results)
     assert record["edge"]["prompt_style"] == "short" and record["cloud"]["prompt_style"] == "short"
+    assert record["edge"]["prompt_style_source"] == "argument"
     assert record["cloud"]["adapter"] == str(folder)
     answered = [s for s in record["splits"].values() if s["answered"]]
     assert answered

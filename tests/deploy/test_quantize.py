@@ -9,7 +9,7 @@ import torch
 
 from cloud.engine.loader import load_checkpoint, unpermute_qk
 from deploy.agreement import agreement, llama_top1, torch_top1
-from deploy.quantize import QuantizeError, export_gguf, permute_qk
+from deploy.quantize import QuantizeError, export_gguf, permute_qk, quantize
 from deploy.student import LlamaForTraining, save_hf_folder
 from tests.deploy.conftest import tiny_model
 
@@ -69,6 +69,65 @@ def test_q4_1_export_loads_in_llama_cpp(tmp_path: Path, folder) -> None:
     llm.eval(llm.tokenize(b"The hive is quiet", add_bos=False))
     assert np.isfinite(np.asarray(llm.scores[llm.n_tokens - 1])).all()
     llm.close()
+
+
+def _metadata(path: Path) -> dict:
+    import gguf
+
+    from cloud.engine.loader import read_gguf_metadata
+
+    return read_gguf_metadata(gguf.GGUFReader(path))
+
+
+def test_the_folders_prompt_style_is_written_to_the_gguf(tmp_path: Path, folder, teacher_tokenizer_meta: dict) -> None:
+    from llama_cpp import Llama
+
+    from shared.prompting import PROMPT_STYLE_KEY
+
+    _, model = folder
+    configs = {"distill": {"apiary_distill": {"teacher": "t.gguf", "prompt_style": "short"}},
+               "top-level": {"apiary_prompt_style": "short"}, "none": {"apiary_distill": {"teacher": "t.gguf"}}}
+    for name, extra in configs.items():
+        styled = save_hf_folder(model, teacher_tokenizer_meta, tmp_path / name, extra)
+        out = export_gguf(styled, tmp_path / f"{name}.gguf")
+        assert _metadata(out).get(PROMPT_STYLE_KEY) == (None if name == "none" else "short"), name
+    llm = Llama(model_path=str(tmp_path / "distill.gguf"), n_ctx=64, n_threads=1, verbose=False)
+    assert llm.metadata[PROMPT_STYLE_KEY] == "short"  # what the edge's LocalModel reads
+    llm.close()
+    assert quantize(tmp_path / "distill", tmp_path / "r.gguf", n_eval=0).prompt_style == "short"
+    odd = save_hf_folder(model, teacher_tokenizer_meta, tmp_path / "odd", {"apiary_prompt_style": "verbose"})
+    with pytest.raises(QuantizeError, match="prompt style 'verbose'"):
+        export_gguf(odd, tmp_path / "odd.gguf")
+    assert not (tmp_path / "odd.gguf").exists()
+
+
+@pytest.mark.timeout(300)
+def test_q5_0_embeddings_load_in_llama_cpp_and_are_measured(tmp_path: Path, folder,
+                                                           teacher_tokenizer_meta: dict) -> None:
+    import gguf
+
+    from cloud.engine.tokenizer import Tokenizer
+
+    path, _ = folder
+    q8 = export_gguf(path, tmp_path / "q8.gguf", "q4_0")
+    q5 = export_gguf(path, tmp_path / "q5.gguf", "q4_0", embed_qtype="q5_0")
+    kinds = {t.name: t.tensor_type for t in gguf.GGUFReader(q5).tensors}
+    assert kinds["token_embd.weight"] == gguf.GGMLQuantizationType.Q5_0
+    assert kinds["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType.Q4_0
+    assert q5.stat().st_size < q8.stat().st_size
+    # llama.cpp decodes the Q5_0 embedding (and tied head) as gguf's numpy dequantiser does.
+    back = LlamaForTraining.from_checkpoint(load_checkpoint(q5)).eval()
+    tok = Tokenizer.from_gguf_metadata(teacher_tokenizer_meta)
+    seqs = [tok.encode("The colony is calm and the frames are heavy with honey."),
+            [int(i) for i in np.random.default_rng(2).integers(0, 49152, 40)]]
+    result = agreement(torch_top1(back, seqs), llama_top1(q5, seqs, threads=1))
+    assert result.positions == sum(map(len, seqs)) and result.rate >= 0.9, result
+    # ... and apiary quantize measures it against the float32 folder like any export.
+    report = quantize(path, tmp_path / "r.gguf", "q4_0", n_eval=2, threads=1, embed_qtype="q5_0")
+    assert report.embed_qtype == "q5_0" and report.prompt_style is None and report.size_bytes == q5.stat().st_size
+    assert report.positions > 0 and 0.0 <= report.top1_agreement <= 1.0
+    with pytest.raises(QuantizeError, match="embed_qtype"):
+        export_gguf(path, tmp_path / "x.gguf", embed_qtype="q4_0")
 
 
 def test_bad_exports_are_refused(tmp_path: Path, folder, teacher_tokenizer_meta: dict) -> None:

@@ -14,3 +14,11 @@ def local_model(gguf_path: Path):
     model = LocalModel(gguf_path, n_ctx=2048, threads=1)
     yield model
     model.close()
+
+
+@pytest.fixture(scope="session")
+def ggufs(tmp_path_factory: pytest.TempPathFactory, gguf_path: Path) -> dict[str, Path]:
+    """Tiny GGUFs without, with and with an unknown apiary.prompt_style (``helpers.export_styled_ggufs``)."""
+    from tests.edge.helpers import export_styled_ggufs
+
+    return export_styled_ggufs(tmp_path_factory.mktemp("styles"), gguf_path)

@@ -1,6 +1,8 @@
 """Event factories and small helpers shared by the edge tests."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from shared.protocol import SensorEvent, Severity
 
 SITE, DEVICE = "north", "hive-01"
@@ -32,3 +34,27 @@ SITUATIONS: dict[str, SensorEvent] = {
                             hive_humidity_pct=0.0),
     "low_battery": reading(5, severity=Severity.CRITICAL, flags=("battery_v_low",), battery_v=3.3, solar_w=0.0),
 }
+
+
+def export_styled_ggufs(root: Path, teacher: Path) -> dict[str, Path]:
+    """Tiny random-weight Llamas exported by ``apiary quantize`` (``deploy.quantize``) with the ``teacher``
+    GGUF's tokenizer, so llama.cpp loads them in a moment (their answers are noise): "plain" without
+    apiary.prompt_style, "short" tuned for the short prompt, "verbose" naming a style nobody knows."""
+    import gguf
+    import pytest
+
+    import deploy.quantize
+    from cloud.engine.loader import read_gguf_metadata
+    from deploy.quantize import export_gguf
+    from deploy.student import save_hf_folder, tokenizer_metadata
+    from tests.deploy.conftest import tiny_model
+
+    tokenizer_meta = tokenizer_metadata(read_gguf_metadata(gguf.GGUFReader(teacher)))
+    model = tiny_model(seed=3)
+    plain = save_hf_folder(model, tokenizer_meta, root / "plain")
+    short = save_hf_folder(model, tokenizer_meta, root / "short", {"apiary_distill": {"prompt_style": "short"}})
+    out = {"plain": export_gguf(plain, root / "plain.gguf"), "short": export_gguf(short, root / "short.gguf")}
+    with pytest.MonkeyPatch.context() as mp:  # export refuses unknown styles: write one past its check
+        mp.setattr(deploy.quantize, "folder_prompt_style", lambda folder: "verbose")
+        out["verbose"] = export_gguf(plain, root / "verbose.gguf")
+    return out

@@ -43,3 +43,8 @@ def test_answer_rejects_bad_readings() -> None:
     assert r.exit_code == 2 and "error:" in r.output
     r = run("answer", '{"hive_temp_c": "hot"}')
     assert r.exit_code == 2 and "error:" in r.output
+
+
+def test_answer_rejects_an_unknown_prompt_style(tmp_path: Path) -> None:
+    r = run("answer", '{"hive_temp_c": 39.5}', "--prompt-style", "long", "--model", str(tmp_path / "none.gguf"))
+    assert r.exit_code == 2 and "invalid [edge] configuration" in r.output and "prompt_style must be" in r.output

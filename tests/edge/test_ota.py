@@ -456,3 +456,12 @@ def test_resume_works_against_a_starlette_file_route(tmp_path: Path, keys: tuple
         thread.join(10)
     assert final.phase == "committed", final.detail
     assert seen == ["bytes=123456-"]
+
+
+@pytest.mark.timeout(300)
+def test_probe_asks_the_model_in_its_own_prompt_style(ggufs: dict[str, Path]) -> None:
+    from edge.ota import probe_model
+
+    for name, style in (("short", "short"), ("plain", "examples")):
+        result = probe_model(ggufs[name], max_tokens=4, threads=1)
+        assert result["prompt_style"] == style and result["completion_tokens"] <= 4, name
