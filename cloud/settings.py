@@ -128,15 +128,10 @@ class CloudSettings(BaseModel):
         if self.adapter == "none":
             return None
         if self.adapter == "auto":
-            for asset in assets.SHIPPED.values():
-                base = assets.get_asset(asset.base)
-                if model_path.is_file() and model_path.name == base.filename and \
-                        assets.sha256_file(model_path) == base.sha256:
-                    try:
-                        return assets.shipped(asset.name)
-                    except assets.AssetError as e:
-                        raise CloudError(f"the shipped teacher adapter is damaged: {e}") from None
-            return None
+            try:
+                return assets.adapter_for(model_path)
+            except assets.AssetError as e:
+                raise CloudError(f"the shipped teacher adapter is damaged: {e}") from None
         path = Path(self.adapter).expanduser()
         if path.is_dir():
             return path

@@ -18,6 +18,21 @@ def _teacher_path(teacher: Optional[Path]) -> Path:
     return assets.ensure("smollm2-135m-q4")
 
 
+def _teacher_adapter(choice: str, teacher: Path) -> Optional[Path]:
+    """``auto``: the shipped teacher adapter when ``teacher`` is the base it was tuned on; ``none``; or a folder."""
+    from shared import assets
+
+    if choice == "none":
+        return None
+    if choice != "auto":
+        return Path(choice)
+    try:
+        return assets.adapter_for(teacher)
+    except assets.AssetError as e:
+        _fail(str(e))
+        raise
+
+
 def _fail(message: str) -> None:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     raise typer.Exit(2)
@@ -25,6 +40,9 @@ def _fail(message: str) -> None:
 
 def distill_command(
     teacher: Optional[Path] = typer.Option(None, help="Teacher GGUF (default: the SmolLM2-135M Q4 asset)."),
+    teacher_adapter: str = typer.Option("auto", help="Task adapter merged into the teacher: auto (the shipped "
+                                                     "teacher adapter when the teacher is its base), none, or a "
+                                                     "folder written by `apiary finetune`."),
     out: Path = typer.Option(DEFAULT_OUT, help="Working folder: corpus, targets, checkpoint, model/, report.json."),
     layers: int = typer.Option(8, help="Student depth; teacher layers are copied evenly spread (first and last kept)."),
     layer_ids: Optional[str] = typer.Option(None, help="Exact teacher layers to copy, e.g. '0,4,8,29'."),
@@ -40,7 +58,9 @@ def distill_command(
     n_general: Optional[int] = typer.Option(None, help="General-text records to include (default: all)."),
     seed: int = typer.Option(0),
     threads: int = typer.Option(2, help="Torch threads."),
-    answer_threads: int = typer.Option(1, help="llama.cpp threads for the teacher's answers."),
+    keep_wrong: bool = typer.Option(False, help="Also learn from teacher answers that miss the simulator's label."),
+    qat_steps: int = typer.Option(0, help="Train the last N steps through the INT4 export's rounding (QAT)."),
+    qat_qtype: str = typer.Option("q4_0", help="The GGUF block type QAT simulates: q4_0 or q4_1."),
     dtype: str = typer.Option("bfloat16", help="Autocast dtype for the student's matmuls: bfloat16 or float32."),
     checkpoint_every: int = typer.Option(10, help="Steps between checkpoints."),
     resume: bool = typer.Option(True, help="Continue from OUT/checkpoint.pt when present."),
@@ -51,10 +71,13 @@ def distill_command(
 
     try:
         ids = [int(x) for x in layer_ids.split(",")] if layer_ids else None
-        cfg = DistillConfig(teacher=_teacher_path(teacher), out=out, layers=layers, layer_ids=ids, steps=steps,
+        teacher_path = _teacher_path(teacher)
+        cfg = DistillConfig(teacher=teacher_path, teacher_adapter=_teacher_adapter(teacher_adapter, teacher_path),
+                            out=out, layers=layers, layer_ids=ids, steps=steps,
                             batch_size=batch_size, seq_len=seq_len, lr=lr, temperature=temperature, alpha_ce=alpha_ce,
                             top_k=top_k, n_sensor=n_sensor, n_eval=n_eval, n_general=n_general, seed=seed,
-                            threads=threads, answer_threads=answer_threads, dtype=dtype,
+                            threads=threads, keep_wrong=keep_wrong, dtype=dtype,
+                            qat_steps=qat_steps, qat_qtype=qat_qtype,
                             checkpoint_every=checkpoint_every)
         report = distill(cfg, resume=resume, progress=progress)
     except (DistillError, ValueError) as e:
@@ -119,6 +142,7 @@ def quantize_command(
     folder: Path = typer.Argument(..., help="Hugging Face folder written by `apiary distill` (OUT/model)."),
     out: Optional[Path] = typer.Option(None, help="GGUF to write (default: FOLDER/../student-<qtype>.gguf)."),
     qtype: str = typer.Option("q4_0", help="q4_0 or q4_1."),
+    embed_qtype: str = typer.Option("q8_0", help="Token embedding (the tied output head too): q8_0 or q5_0."),
     corpus: Optional[Path] = typer.Option(None, help="JSONL samples to measure on (default: FOLDER/../eval.jsonl "
                                                      "when present, else sensor prompts + general text)."),
     n_eval: int = typer.Option(16, help="Samples for the agreement check (0: skip it)."),
@@ -131,10 +155,11 @@ def quantize_command(
     default_corpus = folder.parent / "eval.jsonl"
     corpus = corpus or (default_corpus if default_corpus.is_file() else None)
     try:
-        r = quantize(folder, out, qtype, corpus_path=corpus, n_eval=n_eval, threads=threads)
+        r = quantize(folder, out, qtype, corpus_path=corpus, n_eval=n_eval, threads=threads, embed_qtype=embed_qtype)
     except QuantizeError as e:
         _fail(str(e))
-    typer.echo(json.dumps({"gguf": str(r.path), "qtype": r.qtype, "size_mib": round(r.size_bytes / 2**20, 2),
+    typer.echo(json.dumps({"gguf": str(r.path), "qtype": r.qtype, "embed_qtype": r.embed_qtype,
+                           "prompt_style": r.prompt_style, "size_mib": round(r.size_bytes / 2**20, 2),
                            "fp32_mib": round(r.fp32_bytes / 2**20, 2),
                            "top1_agreement_vs_fp32": r.top1_agreement, "positions": r.positions}, indent=1))
 

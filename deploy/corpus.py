@@ -1,26 +1,29 @@
 """The distillation corpus: sensor-agent prompts with the teacher's own answers, plus general text we ship.
 
 Sensor samples are the edge's real work: ``firmware_bridge.simulator.labelled_situations``
-events rendered with ``shared.prompting.build_messages`` (the prompt both tiers use) and the
-model's chat template, answered by the teacher exactly as the edge answers (``edge.model``:
-llama.cpp, greedy, action grammar). General samples are prose from
-``deploy/data/general_text.jsonl`` (written for this project, no third-party text), so the
-student keeps some plain language beyond the JSON answers.
+events rendered with ``shared.prompting.build_messages`` in the teacher's prompt style (the
+tuned teacher's short prompt, or the worked examples for an untuned one) and the model's chat
+template, answered by the teacher as the cloud answers them: our engine, the base model with
+its adapter merged, greedy, the ``Action`` JSON schema enforced. Each record keeps the
+simulator's label and the assessment the teacher gave, so distillation can learn only from
+answers that are right. General samples are prose from ``deploy/data/general_text.jsonl``
+(written for this project, no third-party text), so the student keeps some plain language
+beyond the JSON answers and stays usable as a draft model.
 
-A corpus is a JSONL file of :class:`Sample` records. Building it is resumable: samples are
-appended one by one and an existing file is continued, not redone. Training and held-out
-sets come from different simulator seeds, so evaluation never sees a training hive.
+A corpus is a JSONL file of :class:`Sample` records. Building it is resumable: answers are
+appended a batch at a time and an existing file is continued, not redone. Training and
+held-out sets come from different simulator seeds, so evaluation never sees a training hive.
 """
 from __future__ import annotations
 
 import json
-from contextlib import closing
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 GENERAL_TEXT = Path(__file__).parent / "data" / "general_text.jsonl"
 HELD_OUT_SEED_OFFSET = 1_000_003  # held-out situations use seed + this offset
+ANSWER_BATCH = 64  # prompts the engine answers together (one corpus append each)
 
 
 class CorpusError(ValueError):
@@ -33,26 +36,23 @@ class Sample:
     prompt: str  # chat-templated prompt ("" for general text)
     completion: str  # the teacher's answer (+ end-of-turn token) or the general text itself
     label: str | None = None  # simulator ground truth for sensor samples
+    answered: str | None = None  # the assessment in the teacher's answer (None: no valid Action JSON)
 
     @property
     def text(self) -> str:
         return self.prompt + self.completion
 
-
-def chat_template_renderer(tokenizer_meta: dict[str, Any]) -> Callable[[list[dict[str, str]]], str]:
-    """The teacher's own chat template (from its GGUF tokenizer metadata), as the engine renders it."""
-    from cloud.engine.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_gguf_metadata(tokenizer_meta)
-    return lambda messages: tok.apply_chat_template(messages, add_generation_prompt=True)
+    @property
+    def right(self) -> bool:
+        return self.kind != "sensor" or (self.label is not None and self.answered == self.label)
 
 
-def sensor_situations(n: int, seed: int) -> list[tuple[list[dict[str, str]], str]]:
-    """``n`` simulator situations as (chat messages, ground-truth label)."""
+def sensor_situations(n: int, seed: int, style: str = "examples") -> list[tuple[list[dict[str, str]], str]]:
+    """``n`` simulator situations as (chat messages in prompt ``style``, ground-truth label)."""
     from firmware_bridge.simulator import labelled_situations
     from shared.prompting import build_messages
 
-    return [([m.model_dump() for m in build_messages(s.event, s.context)], s.label)
+    return [([m.model_dump() for m in build_messages(s.event, s.context, style=style)], s.label)
             for s in labelled_situations(n, seed)]
 
 
@@ -69,48 +69,65 @@ def general_samples(path: str | Path = GENERAL_TEXT) -> list[Sample]:
     return samples
 
 
-def teacher_answers(teacher_gguf: str | Path, prompts: list[list[dict[str, str]]], *, max_tokens: int = 96,
-                    threads: int = 2) -> Iterator[str]:
-    """The teacher's answer to each chat, produced the way the edge answers (grammar, greedy)."""
-    from edge.model import LocalModel
-    from shared.protocol import ChatMessage
+def teacher_engine(teacher: str | Path, adapter: str | Path | None = None) -> Any:
+    """The cloud engine on the teacher (``adapter`` merged at load), sized for batch answering."""
+    from cloud.engine import EngineConfig, LLMEngine
 
-    model = LocalModel(teacher_gguf, n_ctx=2048, threads=threads)
-    try:
-        for messages in prompts:
-            gen = model.generate([ChatMessage(**m) for m in messages], max_tokens=max_tokens)
-            yield gen.text + ("<|im_end|>\n" if gen.finished else "")
-    finally:
-        model.close()
+    return LLMEngine(EngineConfig(model_path=Path(teacher), adapter_path=Path(adapter) if adapter else None,
+                                  kv_cache_bytes=512 << 20, max_num_seqs=ANSWER_BATCH, max_num_batched_tokens=4096))
 
 
-def build_sensor_corpus(teacher_gguf: str | Path, out: str | Path, n: int, seed: int, *,
-                        render: Callable[[list[dict[str, str]]], str], max_tokens: int = 96, threads: int = 2,
-                        on_sample: Callable[[int], None] | None = None) -> list[Sample]:
-    """``n`` sensor samples in ``out`` (JSONL), continuing a partial file; returns all of them.
+def build_sensor_corpus(engine: Any, out: str | Path, n: int, seed: int, *, style: str = "examples",
+                        max_tokens: int = 96, on_sample: Callable[[int], None] | None = None) -> list[Sample]:
+    """``n`` sensor samples in ``out`` (JSONL), answered by ``engine`` (:func:`teacher_engine`), continuing
+    a partial file; returns all of them.
 
-    ``render`` turns chat messages into the prompt text (:func:`chat_template_renderer`).
+    Answers are greedy under the ``Action`` JSON schema and end with the end-of-turn token, which
+    the teacher emits after a complete answer and the student must learn to emit too.
     """
+    from cloud.engine import SamplingParams
+    from cloud.engine.sampling_params import StructuredOutput
+    from shared.prompting import ACTION_JSON_SCHEMA, parse_action
+
     out = Path(out)
-    if out.exists():  # drop a record cut short by a crash, so appending continues cleanly
-        data = out.read_bytes()
-        if data and not data.endswith(b"\n"):
-            out.write_bytes(data[: data.rfind(b"\n") + 1])
-    done = load_corpus(out) if out.exists() else []
+    done = _continue(out)
     if len(done) >= n:
         return done[:n]
-    situations = sensor_situations(n, seed)[len(done):]
+    tok = engine.tokenizer
+    if tok.eos_token_id is None:
+        raise CorpusError("the teacher's tokenizer has no end-of-turn token")
+    eos = tok.decode([tok.eos_token_id], skip_special_tokens=False)
+    params = SamplingParams(max_tokens=max_tokens,
+                            structured=StructuredOutput("json_schema", json.dumps(ACTION_JSON_SCHEMA)))
+    situations = sensor_situations(n, seed, style)[len(done):]
     out.parent.mkdir(parents=True, exist_ok=True)
-    answers = teacher_answers(teacher_gguf, [m for m, _ in situations], max_tokens=max_tokens, threads=threads)
-    with open(out, "a") as f, closing(answers):
-        for (messages, label), answer in zip(situations, answers):
-            sample = Sample(kind="sensor", prompt=render(messages), completion=answer, label=label)
-            f.write(json.dumps(asdict(sample)) + "\n")
+    for start in range(0, len(situations), ANSWER_BATCH):
+        chunk = situations[start:start + ANSWER_BATCH]
+        prompts = [tok.apply_chat_template(messages) for messages, _ in chunk]
+        results = engine.generate([tok.encode(p) for p in prompts], params)
+        with open(out, "a") as f:
+            for prompt, (_, label), r in zip(prompts, chunk, results):
+                answer = tok.decode([t for t in r.output_token_ids if t not in tok.stop_token_ids],
+                                    skip_special_tokens=False)
+                action = parse_action(answer)
+                sample = Sample(kind="sensor", prompt=prompt, completion=answer + eos, label=label,
+                                answered=action.assessment if action else None)
+                f.write(json.dumps(asdict(sample)) + "\n")
+                done.append(sample)
             f.flush()
-            done.append(sample)
-            if on_sample:
-                on_sample(len(done))
+        if on_sample:
+            on_sample(len(done))
     return done
+
+
+def _continue(out: Path) -> list[Sample]:
+    """The records already in ``out``, after dropping a last line cut short by a crash."""
+    if not out.exists():
+        return []
+    data = out.read_bytes()
+    if data and not data.endswith(b"\n"):
+        out.write_bytes(data[: data.rfind(b"\n") + 1])
+    return load_corpus(out)
 
 
 def load_corpus(path: str | Path) -> list[Sample]:
@@ -125,7 +142,7 @@ def load_corpus(path: str | Path) -> list[Sample]:
         try:
             doc: dict[str, Any] = json.loads(line)
             samples.append(Sample(kind=doc["kind"], prompt=doc["prompt"], completion=doc["completion"],
-                                  label=doc.get("label")))
+                                  label=doc.get("label"), answered=doc.get("answered")))
         except (ValueError, KeyError, TypeError) as e:
             if i == len(lines) - 1:  # a record cut by a crash mid-write: drop it, it is rebuilt
                 break

@@ -1,26 +1,36 @@
 """Knowledge distillation: a student with fewer layers learns the teacher's next-token distributions.
 
+The teacher is the cloud's: the base GGUF with its task adapter merged (``--teacher-adapter``,
+``apiary finetune``'s output; by default the shipped one when the base is its model). The
+corpus is the edge's real work asked in the teacher's prompt style (the adapter's: the short
+prompt) and answered by the teacher through our engine, schema-constrained and greedy;
+answers whose assessment is not the simulator's label are left out (``keep_wrong``), so the
+student learns the task from a teacher that got it right, plus general text so that it stays
+a usable draft model.
+
 Everything lives under one output folder and every stage resumes where it stopped::
 
-    corpus.jsonl   training samples: sensor prompts + teacher answers, general text (deploy.corpus)
+    corpus.jsonl   training samples: sensor prompts + teacher answers (deploy.corpus)
     eval.jsonl     held-out sensor samples from other simulated hives
+    corpus.json    what the corpus was built with (teacher, adapter, prompt style, seed): a resume must match
     teacher_tokenizer.json  the teacher GGUF's tokenizer metadata (slow to parse, so parsed once)
     targets.pt     the teacher's top-k logits at every position, computed once (float32)
     checkpoint.pt  student, optimizer and step, replaced atomically every ``checkpoint_every`` steps
     model/         the final student as a Hugging Face folder the cloud engine loads
-    report.json    loss curve and held-out agreement with the teacher, before and after
+    report.json    loss curve, held-out agreement with the teacher and task accuracy, before and after
 
-The student copies the teacher's embeddings, final norm, head and an evenly spread subset
-of its layers, then minimises the temperature-scaled KL divergence to the teacher
+The student copies the merged teacher's embeddings, final norm, head and an evenly spread
+subset of its layers, then minimises the temperature-scaled KL divergence to the teacher
 (times T^2) plus ``alpha_ce`` x cross-entropy on the text itself. The teacher runs once per
 sample, not once per step: on this CPU its forward costs as much as a student step, and
 its top 64 tokens hold nearly all of its probability mass, so the KL is taken over them plus
 one bucket for everything else (exact over those 65 outcomes).
 
-Sensor prompts all open with the same ~1,200-token system message. That prefix runs once
-(teacher: once in all; student: once per batch at batch 1, gradients flowing back through
-its K/V into every sample's tail), and its loss counts as one sample's, so the answers are
-what the student spends its steps on.
+Sensor prompts all open with the same system message. That prefix runs once (teacher: once
+in all; student: once per batch at batch 1, gradients flowing back through its K/V into every
+sample's tail), and its loss counts as one sample's, so the answers are what the student
+spends its steps on. The held-out task accuracy runs the student in the real engine, as the
+cloud would run it, on situations from other simulated hives.
 """
 from __future__ import annotations
 
@@ -53,6 +63,7 @@ class DistillError(ValueError):
 class DistillConfig:
     teacher: Path
     out: Path
+    teacher_adapter: Path | None = None  # LoRA adapter merged into the teacher (apiary finetune's adapter/)
     layers: int = 8  # student depth; layers are copied evenly spread from the teacher
     layer_ids: list[int] | None = None  # or exactly these teacher layers
     steps: int = 200
@@ -69,25 +80,41 @@ class DistillConfig:
     max_answer_tokens: int = 96
     seed: int = 0
     threads: int = 2  # torch threads
-    answer_threads: int = 1  # llama.cpp threads for the teacher's answers (spin-waiting threads crawl on a busy CPU)
+    qat_steps: int = 0  # the last N steps train through the export's INT4 rounding (deploy.qat)
+    qat_qtype: str = "q4_0"  # the GGUF block type `apiary quantize` will write
+    keep_wrong: bool = False  # also learn from teacher answers whose assessment is not the label
     dtype: str = "bfloat16"  # autocast dtype of the student's matmuls; weights stay float32
     checkpoint_every: int = 10
     train_embeddings: bool = False  # embeddings are tied to the head: frozen keeps the teacher's vocabulary space
 
     def __post_init__(self) -> None:
         self.teacher, self.out = Path(self.teacher), Path(self.out)
+        self.teacher_adapter = Path(self.teacher_adapter) if self.teacher_adapter else None
         checks = [(self.steps >= 1, "steps must be >= 1"), (self.batch_size >= 1, "batch_size must be >= 1"),
                   (self.seq_len >= 16, "seq_len must be >= 16"), (self.lr > 0, "lr must be > 0"),
                   (self.temperature > 0, "temperature must be > 0"), (self.alpha_ce >= 0, "alpha_ce must be >= 0"),
                   (self.top_k >= 1, "top_k must be >= 1"), (self.n_sensor >= 0 and self.n_eval >= 0,
                                                             "n_sensor and n_eval must be >= 0"),
                   (self.dtype in ("float32", "bfloat16"), "dtype must be float32 or bfloat16"),
-                  (self.checkpoint_every >= 1, "checkpoint_every must be >= 1")]
+                  (self.checkpoint_every >= 1, "checkpoint_every must be >= 1"),
+                  (0 <= self.qat_steps <= self.steps, "qat_steps must be in 0..steps"),
+                  (self.qat_qtype in ("q4_0", "q4_1"), "qat_qtype must be q4_0 or q4_1")]
         for ok, message in checks:
             if not ok:
                 raise DistillError(message)
         if not self.teacher.exists():
             raise DistillError(f"teacher model not found: {self.teacher}")
+        if self.teacher_adapter is not None and not (self.teacher_adapter / "adapter_config.json").is_file():
+            raise DistillError(f"teacher adapter not found: {self.teacher_adapter} has no adapter_config.json")
+
+    @property
+    def prompt_style(self) -> str:
+        """The prompt the teacher was tuned for (its adapter's), which the student inherits."""
+        if self.teacher_adapter is None:
+            return "examples"
+        from cloud.engine.adapter import read_config
+
+        return read_config(self.teacher_adapter).prompt_style
 
 
 @dataclass(slots=True)
@@ -130,6 +157,8 @@ class DistillReport:
     student_parameters: int = 0
     teacher_parameters: int = 0
     train_tokens: int = 0
+    prompt_style: str = "examples"
+    teacher_corpus: dict[str, Any] = field(default_factory=dict)  # the teacher's accuracy on its own answers
     eval: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -293,27 +322,104 @@ def _fingerprint(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
 
 
-def prepare_corpus(cfg: DistillConfig, tokenizer_meta: dict[str, Any],
-                   log: Callable[[str], None]) -> tuple[list[corpus_mod.Sample], list[corpus_mod.Sample]]:
-    """Training and held-out samples (built with the teacher on first use, continued after a crash)."""
+def corpus_stamp(cfg: DistillConfig) -> dict[str, Any]:
+    """What the corpus is built from; a folder built otherwise cannot be continued."""
+    from cloud.engine.adapter import file_sha256
+
+    adapter = None
+    if cfg.teacher_adapter is not None:
+        adapter = {"folder": str(cfg.teacher_adapter),
+                   "sha256": {f.name: file_sha256(f) for f in sorted(cfg.teacher_adapter.iterdir()) if f.is_file()
+                              and f.suffix in (".json", ".safetensors")}}
+    return {"teacher": cfg.teacher.name, "teacher_size": cfg.teacher.stat().st_size if cfg.teacher.is_file() else None,
+            "adapter": adapter, "prompt_style": cfg.prompt_style, "seed": cfg.seed,
+            "max_answer_tokens": cfg.max_answer_tokens, "answered_by": "engine, Action JSON schema, greedy"}
+
+
+def prepare_corpus(cfg: DistillConfig, log: Callable[[str], None],
+                   info: dict[str, Any] | None = None) -> tuple[list[corpus_mod.Sample], list[corpus_mod.Sample]]:
+    """Training and held-out samples (answered by the teacher on first use, continued after a crash).
+
+    Training answers that are wrong are dropped unless ``keep_wrong``; held-out samples are kept
+    as they are (they measure agreement with the teacher, right or wrong).
+    """
     t0 = time.perf_counter()
-    render = corpus_mod.chat_template_renderer(tokenizer_meta)
+    stamp_path = cfg.out / "corpus.json"
+    stamp = corpus_stamp(cfg)
+    if stamp_path.is_file() and json.loads(stamp_path.read_text()) != stamp:
+        raise DistillError(f"{cfg.out} holds a corpus built from another teacher, adapter or prompt style "
+                           f"({stamp_path}); use another --out")
+    stamp_path.write_text(json.dumps(stamp, indent=1))
+    engine = None
 
     def build(name: str, n: int, seed: int) -> list[corpus_mod.Sample]:
-        def note(done: int) -> None:
-            if done % 20 == 0 or done == n:
-                log(f"{name}: teacher answered {done}/{n} ({time.perf_counter() - t0:.0f} s)")
-        return corpus_mod.build_sensor_corpus(cfg.teacher, cfg.out / f"{name}.jsonl", n, seed, render=render,
-                                              max_tokens=cfg.max_answer_tokens, threads=cfg.answer_threads,
-                                              on_sample=note) if n else []
+        nonlocal engine
+        path = cfg.out / f"{name}.jsonl"
+        if not n:
+            return []
+        if engine is None and len(corpus_mod.load_corpus(path) if path.is_file() else []) < n:
+            log(f"teacher: {cfg.teacher.name}" + (f" + adapter {cfg.teacher_adapter}" if cfg.teacher_adapter else "")
+                + f", {cfg.prompt_style} prompt")
+            engine = corpus_mod.teacher_engine(cfg.teacher, cfg.teacher_adapter)
 
-    train = build("corpus", cfg.n_sensor, cfg.seed)
+        def note(done: int) -> None:
+            log(f"{name}: teacher answered {done}/{n} ({time.perf_counter() - t0:.0f} s)")
+        return corpus_mod.build_sensor_corpus(engine, path, n, seed, style=cfg.prompt_style,
+                                              max_tokens=cfg.max_answer_tokens, on_sample=note)
+
+    answered = build("corpus", cfg.n_sensor, cfg.seed)
     held_out = build("eval", cfg.n_eval, cfg.seed + corpus_mod.HELD_OUT_SEED_OFFSET)
+    del engine
+    right = [s for s in answered if s.right]
+    if answered:
+        log(f"teacher right on {len(right)}/{len(answered)} training situations"
+            + ("" if cfg.keep_wrong else f"; learning from those {len(right)}"))
+    if info is not None:
+        info |= {"situations": len(answered), "right": len(right),
+                                 "held_out_right": sum(s.right for s in held_out), "held_out": len(held_out),
+                                 "kept": len(answered) if cfg.keep_wrong else len(right)}
     general = corpus_mod.general_samples()
-    train = train + general[:cfg.n_general if cfg.n_general is not None else len(general)]
+    train = (answered if cfg.keep_wrong else right) + general[:cfg.n_general if cfg.n_general is not None else len(general)]
     if not train:
         raise DistillError("empty training corpus: set n_sensor > 0 or n_general > 0")
     return train, held_out
+
+
+def load_teacher(cfg: DistillConfig) -> LlamaForTraining:
+    """The teacher as a training module: the base model with its adapter (if any) merged into the weights."""
+    from cloud.engine.adapter import merge
+
+    teacher, _ = load_model(cfg.teacher)
+    if cfg.teacher_adapter is not None:
+        with torch.no_grad():
+            merge(dict(teacher.state_dict()), cfg.teacher_adapter, cfg.teacher)
+    return teacher
+
+
+def task_accuracy(model_dir: Path, held_out: list[corpus_mod.Sample], max_tokens: int) -> dict[str, Any]:
+    """The student's accuracy on the held-out situations through the real engine (schema-constrained, greedy)."""
+    from cloud.engine import EngineConfig, LLMEngine, SamplingParams
+    from cloud.engine.sampling_params import StructuredOutput
+    from shared.prompting import ACTION_JSON_SCHEMA, parse_action
+
+    if not held_out:
+        return {}
+    engine = LLMEngine(EngineConfig(model_path=model_dir, kv_cache_bytes=256 << 20, max_num_batched_tokens=4096))
+    params = SamplingParams(max_tokens=max_tokens,
+                            structured=StructuredOutput("json_schema", json.dumps(ACTION_JSON_SCHEMA)))
+    outs = engine.generate([engine.tokenizer.encode(s.prompt) for s in held_out], params)
+    per_label: dict[str, list[int]] = {}
+    right = 0
+    for s, out in zip(held_out, outs):
+        action = parse_action(out.text)
+        ok = action is not None and action.assessment == s.label
+        right += ok
+        per_label.setdefault(str(s.label), [0, 0])
+        per_label[str(s.label)][0] += ok
+        per_label[str(s.label)][1] += 1
+    return {"accuracy": right / len(held_out), "n": len(held_out),
+            "teacher_accuracy": sum(s.right for s in held_out) / len(held_out),
+            "per_label": {k: f"{a}/{b}" for k, (a, b) in sorted(per_label.items())}}
 
 
 def evaluate(student: LlamaForTraining, data: TokenData, prefix_t: Targets | None,
@@ -388,7 +494,8 @@ def distill(cfg: DistillConfig, *, resume: bool = True, progress: bool = True,
     tok_meta = teacher_tokenizer(cfg.teacher, cfg.out / "teacher_tokenizer.json")
     if not tok_meta:
         raise DistillError(f"{cfg.teacher} carries no GGUF tokenizer metadata; the teacher must be a GGUF file")
-    train_samples, held_out = prepare_corpus(cfg, tok_meta, log)
+    corpus_info: dict[str, Any] = {}
+    train_samples, held_out = prepare_corpus(cfg, log, corpus_info)
     tok = Tokenizer.from_gguf_metadata(tok_meta)
     train = tokenize(tok, train_samples, cfg.seq_len)
     evals = tokenize(tok, held_out, cfg.seq_len, prefix=train.prefix)
@@ -396,14 +503,14 @@ def distill(cfg: DistillConfig, *, resume: bool = True, progress: bool = True,
         f"after a shared {len(train.prefix)}-token prompt prefix; {len(evals.samples)} held-out")
 
     targets_path = cfg.out / "targets.pt"
-    key = _fingerprint(str(cfg.teacher), cfg.top_k, cfg.temperature, train.prefix, [s.ids for s in train.samples],
+    key = _fingerprint(str(cfg.teacher), corpus_stamp(cfg)["adapter"], cfg.top_k, cfg.temperature, train.prefix, [s.ids for s in train.samples],
                        evals.prefix, [s.ids for s in evals.samples])
     cached = torch.load(targets_path, weights_only=False) if targets_path.exists() else None
     fresh = cached is not None and cached.get("key") == key
     teacher: LlamaForTraining | None = None
     if not fresh or state is None:  # a resumed run with its targets needs no teacher at all
         log(f"loading teacher {cfg.teacher}")
-        teacher, _ = load_model(cfg.teacher)
+        teacher = load_teacher(cfg)
         teacher_config = teacher.config
     else:
         teacher_config = ModelConfig(**state["teacher_config"])
@@ -438,6 +545,7 @@ def distill(cfg: DistillConfig, *, resume: bool = True, progress: bool = True,
         student = LlamaForTraining(dataclasses.replace(teacher_config, num_layers=len(layers)))
         teacher_parameters = state["teacher_parameters"]
     report = DistillReport(out=cfg.out, model_dir=cfg.out / "model", steps=cfg.steps, teacher_layers=layers,
+                           prompt_style=cfg.prompt_style, teacher_corpus=corpus_info,
                            student_parameters=student.num_parameters(), teacher_parameters=teacher_parameters)
     student.model.embed_tokens.weight.requires_grad_(cfg.train_embeddings)
     params = [p for p in student.parameters() if p.requires_grad]
@@ -472,6 +580,7 @@ def distill(cfg: DistillConfig, *, resume: bool = True, progress: bool = True,
                 batch = sample_order(len(train.samples), cfg.seed, step * cfg.batch_size, cfg.batch_size)
                 for group in optimizer.param_groups:
                     group["lr"] = lr_at(step, cfg)
+                student.set_fake_quant(cfg.qat_qtype if step >= cfg.steps - cfg.qat_steps else None)
                 with autocast:
                     loss, kl, ce, tokens = step_loss(student, train, batch, prefix_t, train_t, cfg)
                 optimizer.zero_grad(set_to_none=True)
@@ -495,10 +604,18 @@ def distill(cfg: DistillConfig, *, resume: bool = True, progress: bool = True,
             log(f"interrupted: checkpoint at step {step} in {ckpt_path}; run again to resume")
             raise
 
+    student.set_fake_quant(None)
     report.eval["after"] = evaluate(student, evals, eval_prefix_t, eval_t)
     save_hf_folder(student, tok_meta, report.model_dir,
                    extra_config={"apiary_distill": {"teacher": str(cfg.teacher), "teacher_layers": layers,
+                                                    "teacher_adapter": str(cfg.teacher_adapter or ""),
+                                                    "prompt_style": cfg.prompt_style, "seed": cfg.seed,
+                                                    "qat": {"steps": cfg.qat_steps, "qtype": cfg.qat_qtype},
                                                     "steps": step, "train_tokens": report.train_tokens}})
+    report.eval["task"] = task_accuracy(report.model_dir, held_out, cfg.max_answer_tokens)
+    if report.eval["task"]:
+        log(f"held-out task accuracy {report.eval['task']['accuracy']:.1%} (teacher "
+            f"{report.eval['task']['teacher_accuracy']:.1%}) {report.eval['task']['per_label']}")
     report.seconds = time.perf_counter() - t_start
     (cfg.out / "report.json").write_text(json.dumps(asdict(report), indent=1, default=str))
     return report

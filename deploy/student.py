@@ -27,6 +27,19 @@ KV = tuple[torch.Tensor, torch.Tensor]  # one layer's keys and values, [batch, k
 TOKENIZER_META_FILE = "tokenizer_gguf.json"  # the teacher GGUF's tokenizer.* metadata, for the GGUF export
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` whose weight can be seen through the export's INT4 rounding (``deploy.qat``)."""
+
+    fake_quant: str | None = None  # a deploy.qat qtype while quantization-aware training runs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fake_quant is None:
+            return super().forward(x)
+        from deploy.qat import fake_quant
+
+        return F.linear(x, fake_quant(self.weight, self.fake_quant), self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -42,10 +55,10 @@ class Attention(nn.Module):
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
         self.c = c
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_proj = Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 past: KV | None = None) -> tuple[torch.Tensor, KV]:
@@ -73,9 +86,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -146,6 +159,14 @@ class LlamaForTraining(nn.Module):
         for the batch of continuations (and gradients flow back through it)."""
         h, kvs = self.hidden(input_ids, past)
         return F.linear(h, self.head_weight()).float(), kvs
+
+    def set_fake_quant(self, qtype: str | None) -> None:
+        """See every block projection as the GGUF export's ``qtype`` would store it (None: float again).
+
+        Embeddings (the tied head) and norms stay float: the export keeps them at 8 bits or more."""
+        for m in self.model.layers.modules():
+            if isinstance(m, Linear):
+                m.fake_quant = qtype
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -61,6 +61,7 @@ class ShippedAsset:
     base: str  # the REGISTRY asset it belongs to
     rebuild: str
     description: str
+    kind: str = "adapter"  # "adapter": merged into its base at load; "edge-image": a signed edge image
 
 
 SHIPPED: dict[str, ShippedAsset] = {
@@ -96,6 +97,58 @@ def shipped(name: str) -> Path:
         if got != digest:
             raise AssetError(f"{name}: {path} has sha256 {got}, expected {digest}; rebuild with: {asset.rebuild}")
     return folder
+
+
+def adapter_for(model_path: Path) -> Path | None:
+    """The shipped adapter tuned on ``model_path`` (the exact registry file, by sha256), or None.
+
+    AssetError when there is one but its files are damaged."""
+    for asset in SHIPPED.values():
+        if asset.kind != "adapter":
+            continue
+        base = get_asset(asset.base)
+        if model_path.is_file() and model_path.name == base.filename and sha256_file(model_path) == base.sha256:
+            return shipped(asset.name)
+    return None
+
+
+IMAGE_FILE, RELEASE_KEY_FILE = "image.tar", "release.pub"  # the files of a shipped edge image
+
+
+def edge_model(name: str) -> Path:
+    """The GGUF inside shipped edge image ``name``, checked as a device checks an OTA image.
+
+    The archive must match its recorded sha256, its manifest must carry a valid signature by the
+    release key shipped beside it, and the model must match the manifest; it is then unpacked
+    once into the cache (``images/``), under a lock so that agents starting together share one
+    copy, and re-checked (signature, size, sha256) on every later call.
+    """
+    import fcntl
+
+    from shared import image
+
+    folder = shipped(name)
+    asset = SHIPPED[name]
+    if asset.kind != "edge-image":
+        raise AssetError(f"{name} is a {asset.kind}, not an edge image")
+    digest = dict(asset.files)[IMAGE_FILE]
+    key = folder / RELEASE_KEY_FILE
+    dest = cache_dir() / "images" / f"{name}-{digest[:16]}"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest.parent / f"{dest.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            manifest = image.read_installed(dest, key)
+            path = dest / manifest.model.filename
+            if sha256_file(path) == manifest.model.sha256:
+                return path
+        except image.ImageError:
+            pass
+        try:
+            info = image.unpack_image(folder / IMAGE_FILE, dest, key, expected_sha256=digest)
+        except image.ImageError as e:
+            raise AssetError(f"shipped edge image {name} refused ({e.reason}): {e}") from None
+        return dest / info.manifest.model.filename
 
 
 def cache_dir() -> Path:
@@ -169,3 +222,10 @@ def pull(name: str, *, force: bool = False) -> Path:
 def ensure(name: str) -> Path:
     """The verified local path of ``name``, pulling it first when missing."""
     return local_path(name) or pull(name)
+
+
+def model_file(name: str) -> Path:
+    """The verified model file of ``name``: a shipped edge image's GGUF, or a registry model (pulled if missing)."""
+    if name in SHIPPED and SHIPPED[name].kind == "edge-image":
+        return edge_model(name)
+    return ensure(name)

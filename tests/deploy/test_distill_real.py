@@ -1,12 +1,15 @@
-"""A short real distillation from SmolLM2-135M: loss falls, the INT4 export runs in llama.cpp like the torch student.
+"""A short real distillation from the tuned teacher (SmolLM2-135M + the shipped task adapter): loss falls,
+the INT4 export runs in llama.cpp like the torch student.
 
 Tiny on purpose (4-layer student, a few samples, 8 steps): it proves the pipeline end to end,
-not the quality; the real run's numbers are in docs/deploy.md. Q4_0, not Q4_1: this student's
+not the quality; the real run's numbers are in docs/deploy.md and the shipped student's in
+docs/benchmarks.md. Q4_0, not Q4_1: this student's
 weights sit a few Adam steps away from the Q4_1 teacher's grid, and re-quantising to that same
 grid snaps them back to the teacher's layers (see docs/deploy.md).
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +24,11 @@ STEPS = 8
 
 
 def config(teacher: Path, out: Path, steps: int = STEPS) -> DistillConfig:
-    return DistillConfig(teacher=teacher, out=out, layers=4, steps=steps, batch_size=2, seq_len=384, lr=5e-4,
+    from shared import assets
+
+    return DistillConfig(teacher=teacher, teacher_adapter=assets.shipped("sensor-teacher-lora"), out=out, layers=4, steps=steps, batch_size=2, seq_len=384, lr=5e-4,
                          warmup_steps=1, n_sensor=2, n_eval=1, n_general=2, max_answer_tokens=32,
-                         checkpoint_every=4, threads=2, answer_threads=1)
+                         checkpoint_every=4, threads=2, qat_steps=2)
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +42,16 @@ def test_short_distillation_lowers_the_loss_and_writes_everything(run: DistillRe
     assert np.mean(run.losses[-3:]) < 0.8 * np.mean(run.losses[:2]), run.losses
     assert run.student_parameters < 0.5 * run.teacher_parameters
     assert run.eval["after"]["all_positions"] > 0 and run.eval["before"]["samples"] == 1
-    for name in ("corpus.jsonl", "eval.jsonl", "targets.pt", "checkpoint.pt", "report.json"):
+    for name in ("corpus.jsonl", "eval.jsonl", "corpus.json", "targets.pt", "checkpoint.pt", "report.json"):
         assert (run.out / name).is_file(), name
     assert (run.model_dir / "config.json").is_file() and (run.model_dir / "model.safetensors").is_file()
+    # The tuned teacher answered in its short prompt, right on its situations; the student inherits the style.
+    assert run.prompt_style == "short" and run.teacher_corpus["situations"] == 2
+    assert run.teacher_corpus["right"] == run.teacher_corpus["kept"] >= 1
+    distilled = json.loads((run.model_dir / "config.json").read_text())["apiary_distill"]
+    assert distilled["prompt_style"] == "short" and distilled["teacher_adapter"].endswith("teacher-lora")
+    assert distilled["qat"] == {"steps": 2, "qtype": "q4_0"}
+    assert run.eval["task"]["n"] == 1 and 0.0 <= run.eval["task"]["accuracy"] <= 1.0
 
 
 @pytest.mark.timeout(600)

@@ -173,3 +173,69 @@ def test_step_loss_trains_on_tails_after_the_prefix_and_counts_the_prefix_once()
     assert student.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
     _, kl_same, _, _ = step_loss(teacher, data, [0, 1, 2], prefix_t, tails, cfg)
     assert kl_same < 1e-4  # the teacher matches itself on prefix, tails and plain samples alike
+
+
+def test_sensor_situations_in_the_tuned_teachers_short_style() -> None:
+    from shared.prompting import SHORT_SYSTEM_PROMPT
+
+    situations = corpus.sensor_situations(4, seed=1, style="short")
+    assert all(m[0] == {"role": "system", "content": SHORT_SYSTEM_PROMPT} and len(m) == 2 for m, _ in situations)
+    assert [label for _, label in situations] == [label for _, label in corpus.sensor_situations(4, seed=1)]
+
+
+def _answered(label: str, answered: str | None) -> dict:
+    return {"kind": "sensor", "prompt": "p", "completion": "c", "label": label, "answered": answered}
+
+
+def test_wrong_teacher_answers_are_left_out_and_counted(tmp_path: Path) -> None:
+    from deploy.distill import prepare_corpus
+
+    rows = [_answered("normal", "normal"), _answered("robbing", "swarming"), _answered("heat_stress", None)]
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "eval.jsonl").write_text(json.dumps(_answered("swarming", "robbing")) + "\n")
+    cfg = DistillConfig(teacher=Path(__file__), out=tmp_path, n_sensor=3, n_eval=1, n_general=0)
+    info: dict = {}
+    train, held_out = prepare_corpus(cfg, lambda m: None, info)  # both files complete: no teacher needed
+    assert [s.label for s in train] == ["normal"] and len(held_out) == 1  # held-out samples are all kept
+    assert info == {"situations": 3, "right": 1, "held_out_right": 0, "held_out": 1, "kept": 1}
+    cfg.keep_wrong = True
+    assert [s.label for s in prepare_corpus(cfg, lambda m: None)[0]] == ["normal", "robbing", "heat_stress"]
+
+
+def test_a_corpus_is_not_continued_with_another_teacher(tmp_path: Path) -> None:
+    from deploy.distill import prepare_corpus
+    from shared import assets
+
+    (tmp_path / "corpus.jsonl").write_text(json.dumps(_answered("normal", "normal")) + "\n")
+    plain = DistillConfig(teacher=Path(__file__), out=tmp_path, n_sensor=1, n_eval=0, n_general=0)
+    prepare_corpus(plain, lambda m: None)
+    assert json.loads((tmp_path / "corpus.json").read_text())["prompt_style"] == "examples"
+    tuned = DistillConfig(teacher=Path(__file__), out=tmp_path, n_sensor=1, n_eval=0, n_general=0,
+                          teacher_adapter=assets.shipped("sensor-teacher-lora"))
+    assert tuned.prompt_style == "short"  # the adapter's
+    with pytest.raises(DistillError, match="another teacher, adapter or prompt style"):
+        prepare_corpus(tuned, lambda m: None)
+    with pytest.raises(DistillError, match="adapter not found"):
+        DistillConfig(teacher=Path(__file__), out=tmp_path, teacher_adapter=tmp_path)
+
+
+def test_the_teacher_is_the_base_with_its_adapter_merged(tmp_path: Path, teacher_tokenizer_meta: dict) -> None:
+    from cloud.engine import adapter as adapter_format
+    from deploy.distill import load_teacher
+    from deploy.student import save_hf_folder
+
+    from .conftest import tiny_model
+
+    base = tiny_model(seed=3)
+    save_hf_folder(base, teacher_tokenizer_meta, tmp_path / "base")
+    name = "model.layers.1.self_attn.v_proj"
+    w = base.state_dict()[name + ".weight"]
+    a, b = torch.randn(4, w.shape[1]), torch.randn(w.shape[0], 4)
+    adapter_format.write(tmp_path / "adapter", adapter_format.AdapterConfig(rank=4, alpha=8.0, targets=[name],
+                                                                           prompt_style="short"),
+                         {name + ".lora_A": a, name + ".lora_B": b})
+    cfg = DistillConfig(teacher=tmp_path / "base", out=tmp_path / "out", teacher_adapter=tmp_path / "adapter")
+    merged = load_teacher(cfg).state_dict()
+    torch.testing.assert_close(merged[name + ".weight"], w + 2.0 * (b @ a))
+    other = "model.layers.0.self_attn.v_proj.weight"
+    torch.testing.assert_close(merged[other], base.state_dict()[other])

@@ -165,3 +165,10 @@ def test_a_damaged_shipped_file_is_refused(tmp_path, monkeypatch) -> None:
         assets.shipped(name)
     with pytest.raises(assets.AssetError, match="unknown shipped"):
         assets.shipped("nope")
+
+
+def test_the_shipped_adapter_is_found_only_for_its_exact_base(gguf_path, tmp_path) -> None:
+    assert assets.adapter_for(gguf_path) == assets.shipped("sensor-teacher-lora")
+    same_name = tmp_path / gguf_path.name
+    same_name.write_bytes(b"not the model")
+    assert assets.adapter_for(same_name) is None and assets.adapter_for(tmp_path / "missing.gguf") is None
