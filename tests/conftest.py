@@ -8,6 +8,7 @@ import pytest
 
 from shared import assets
 from shared.brokers import EmbeddedBroker, MosquittoBroker
+from tests.shared.helpers import AclBroker
 
 
 @pytest.fixture(scope="session")
@@ -26,6 +27,16 @@ def mosquitto(tmp_path: Path) -> Iterator[MosquittoBroker]:
     broker.start()
     yield broker
     broker.stop()
+
+
+@pytest.fixture
+def acl_mosquitto(tmp_path: Path) -> Iterator[AclBroker]:
+    """The real Mosquitto with the shipped password auth and ACL; ``acl_mosquitto.login(user)`` is a
+    user's MqttConfig (``cloud``, ``bridge``, ``hive-0001``, ``hive-0002``)."""
+    acl = AclBroker(tmp_path)
+    acl.broker.start()
+    yield acl
+    acl.broker.stop()
 
 
 @pytest.fixture

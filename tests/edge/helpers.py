@@ -1,8 +1,10 @@
 """Event factories and small helpers shared by the edge tests."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+from edge.model import Generation
 from shared.protocol import SensorEvent, Severity
 
 SITE, DEVICE = "north", "hive-01"
@@ -34,6 +36,31 @@ SITUATIONS: dict[str, SensorEvent] = {
                             hive_humidity_pct=0.0),
     "low_battery": reading(5, severity=Severity.CRITICAL, flags=("battery_v_low",), battery_v=3.3, solar_w=0.0),
 }
+
+
+ANSWER = json.dumps({"explanation": "Traffic jumped.", "assessment": "robbing", "urgency": "medium",
+                     "action": "Reduce the entrance"})
+
+
+class RecordingModel:
+    """Answers every chat with the same valid action and keeps the chats it was asked."""
+
+    version = "recording:0"
+
+    def __init__(self, prompt_style: str | None = None) -> None:
+        if prompt_style is not None:
+            self.prompt_style = prompt_style
+        self.asked: list[list] = []
+
+    def set_threads(self, threads: int) -> None:
+        pass
+
+    def generate(self, messages, *, max_tokens: int = 96) -> Generation:
+        self.asked.append(list(messages))
+        n = len(ANSWER.encode())  # one "token" per byte
+        return Generation(text=ANSWER, token_ids=list(range(n)), logprobs=[0.0] * n, choice_logprobs=[-0.1] * n,
+                          entropies=[0.1] * n, offsets=list(range(n)), prompt_tokens=10, finished=True,
+                          cpu_s=0.01, wall_s=0.01)
 
 
 def export_styled_ggufs(root: Path, teacher: Path) -> dict[str, Path]:

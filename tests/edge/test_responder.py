@@ -1,37 +1,10 @@
 """The Responder asks the local model in the model's own prompt style (no real model: a recording double)."""
 from __future__ import annotations
 
-import json
-
-from edge.model import Generation
 from edge.responder import Responder
 from edge.settings import EdgeSettings, PolicySettings
 from shared.prompting import build_messages
-from tests.edge.helpers import SITUATIONS, reading
-
-ANSWER = json.dumps({"explanation": "Traffic jumped.", "assessment": "robbing", "urgency": "medium",
-                     "action": "Reduce the entrance"})
-
-
-class RecordingModel:
-    """Answers every chat with the same valid action and keeps the chats it was asked."""
-
-    version = "recording:0"
-
-    def __init__(self, prompt_style: str | None = None) -> None:
-        if prompt_style is not None:
-            self.prompt_style = prompt_style
-        self.asked: list[list] = []
-
-    def set_threads(self, threads: int) -> None:
-        pass
-
-    def generate(self, messages, *, max_tokens: int = 96) -> Generation:
-        self.asked.append(list(messages))
-        n = len(ANSWER.encode())  # one "token" per byte
-        return Generation(text=ANSWER, token_ids=list(range(n)), logprobs=[0.0] * n, choice_logprobs=[-0.1] * n,
-                          entropies=[0.1] * n, offsets=list(range(n)), prompt_tokens=10, finished=True,
-                          cpu_s=0.01, wall_s=0.01)
+from tests.edge.helpers import SITUATIONS, RecordingModel, reading
 
 
 def respond(model: RecordingModel, min_confidence: float = -100.0):

@@ -3,9 +3,6 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -20,7 +17,7 @@ from shared.config import MqttConfig
 from shared.protocol import (ChatMessage, DeviceState, EdgeAttempt, Envelope, InferenceRequest, InferenceResult,
                              OtaCommand, OtaStatus, ProtocolError, SensorEvent, Severity, encode, make)
 from shared.transport import MqttTransport, RecentIds, TransportError
-from tests.shared.helpers import Inbox, wait_until
+from tests.shared.helpers import Inbox, device_with_will, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -394,41 +391,15 @@ def test_oversize_envelope_is_refused_before_sending(mosquitto, connect) -> None
     assert t.stats["published"] == 0
 
 
-DEVICE_SCRIPT = textwrap.dedent("""
-    import sys, time
-    from shared import topics
-    from shared.config import MqttConfig
-    from shared.protocol import DeviceState, make
-    from shared.transport import MqttTransport
-    port, device = int(sys.argv[1]), sys.argv[2]
-    death = make(DeviceState(site="apiary-north", device=device, status="death", online=False, session=1),
-                 sender=device)
-    t = MqttTransport(MqttConfig(port=port, keepalive=5), device, will=(topics.state("apiary-north", device), death))
-    t.start(10)
-    birth = make(DeviceState(site="apiary-north", device=device, status="birth", online=True, session=1),
-                 sender=device)
-    assert t.publish(topics.state("apiary-north", device), birth, retain=True, timeout=10)
-    print("up", flush=True)
-    time.sleep(60)
-""")
-
-
 def test_last_will_marks_a_vanished_device_dead(mosquitto, connect) -> None:
     states = Inbox()
     watcher = connect(mosquitto.config, "cloud-watcher")
     watcher.subscribe(topics.all_of("state"), states)
-    proc = subprocess.Popen([sys.executable, "-c", DEVICE_SCRIPT, str(mosquitto.port), "hive-09"],
-                            stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
-    try:
-        assert proc.stdout.readline().strip() == "up"
+    with device_with_will(mosquitto.config, SITE, "hive-09", session=1) as proc:
         wait_until(lambda: [e.body.status for e in states.envs] == ["birth"], what="birth")
         proc.kill()  # power cut: no DISCONNECT, so the broker publishes the Last Will
         proc.wait(10)
         wait_until(lambda: [e.body.status for e in states.envs] == ["birth", "death"], what="death certificate")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
     late = Inbox()  # the death is retained: a late observer learns it too
     connect(mosquitto.config, "late-watcher", persistent=False).subscribe(topics.state(SITE, "hive-09"), late)
     assert late.wait(1)[0].body.status == "death"
