@@ -8,6 +8,11 @@ so a consumer can drop (and count) bad input without ever crashing.
 Compatibility rule: within one ``SCHEMA_VERSION`` new *optional* body fields may be
 added (older decoders ignore them); removing, renaming or retyping a field bumps the
 version, and decoders reject versions they do not know.
+
+Every number on the wire must be one the stores can hold: floats are finite (SQLite turns
+NaN into NULL) and ints fit a signed 64-bit integer (SQLite's INTEGER), so a value that
+msgpack carries but storage cannot is a :class:`ProtocolError` at decode, never a crash or
+a silent drop deep in a consumer.
 """
 from __future__ import annotations
 
@@ -71,15 +76,20 @@ class _Body(BaseModel):
 
 Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
 
+INT64_MAX = 2**63 - 1  # SQLite's INTEGER is signed 64-bit: larger ints raise OverflowError when stored
+Finite = Annotated[float, Field(allow_inf_nan=False)]  # NaN is stored as NULL and compares unequal to itself
+Int64 = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
+Count = Annotated[int, Field(ge=0, le=INT64_MAX)]  # sequence numbers, sessions, sizes, token counts
+
 
 class SensorEvent(_Body):
     """What a device's sensors saw, as published by the firmware bridge (or an operator question)."""
 
     site: Name
     device: Name
-    seq: int = Field(ge=0)
-    timestamp: float  # sensor time, unix seconds
-    readings: dict[str, float]
+    seq: Count
+    timestamp: Finite  # sensor time, unix seconds
+    readings: dict[str, Finite]
     severity: SeverityField = Severity.INFO
     kind: Literal["reading", "question"] = "reading"
     flags: list[str] = Field(default_factory=list)  # threshold rules the bridge saw crossed, e.g. "hive_temp_high"
@@ -107,9 +117,9 @@ class EdgeAttempt(_Body):
 
     text: str
     action: dict[str, Any] | None = None
-    confidence: float | None = None  # the policy's confidence score (e.g. p10 token logprob)
-    logprob_quantiles: dict[str, float] = Field(default_factory=dict)
-    completion_tokens: int = 0
+    confidence: Finite | None = None  # the policy's confidence score (e.g. p10 token logprob)
+    logprob_quantiles: dict[str, Finite] = Field(default_factory=dict)
+    completion_tokens: Count = 0
 
 
 class InferenceRequest(_Body):
@@ -123,7 +133,7 @@ class InferenceRequest(_Body):
     max_tokens: int = Field(default=128, ge=1, le=4096)
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
     priority: int = Field(default=6, ge=0, le=9)
-    deadline: float | None = None  # unix seconds; the cloud answers "expired" after it
+    deadline: Finite | None = None  # unix seconds; the cloud answers "expired" after it
     event: SensorEvent | None = None
     context: list[SensorEvent] = Field(default_factory=list)
     edge_attempt: EdgeAttempt | None = None
@@ -143,14 +153,14 @@ class InferenceResult(_Body):
     action: dict[str, Any] | None = None
     # How sure the answering model was, by the same rule on both tiers (shared.confidence): the p10 choice
     # logprob of the decision tokens, and its summary (as EdgeAttempt's). Optional: older senders omit them.
-    confidence: float | None = None
-    logprob_quantiles: dict[str, float] = Field(default_factory=dict)
-    event_seq: int | None = None
+    confidence: Finite | None = None
+    logprob_quantiles: dict[str, Finite] = Field(default_factory=dict)
+    event_seq: Count | None = None
     escalation_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    latency_ms: float = 0.0
-    energy_j: float | None = None
+    prompt_tokens: Count = 0
+    completion_tokens: Count = 0
+    latency_ms: Finite = 0.0
+    energy_j: Finite | None = None
     model: str = ""
     error: str | None = None
 
@@ -162,15 +172,15 @@ class DeviceState(_Body):
     device: Name
     status: Literal["birth", "death", "update"]
     online: bool
-    session: int = Field(ge=0)  # bdSeq: increments on every birth, so a stale death can be told apart
+    session: Count  # bdSeq: new on every birth; a death or update counts only for the node's current session
     role: Literal["edge", "bridge", "cloud"] = "edge"
     battery_soc: float | None = Field(default=None, ge=0.0, le=1.0)
-    battery_v: float | None = None
-    solar_w: float | None = None
+    battery_v: Finite | None = None
+    solar_w: Finite | None = None
     model_version: str | None = None
     image_version: str | None = None
-    budget_tokens_per_hour: float | None = None
-    counters: dict[str, int] = Field(default_factory=dict)
+    budget_tokens_per_hour: Finite | None = None
+    counters: dict[str, Int64] = Field(default_factory=dict)
 
 
 class OtaCommand(_Body):
@@ -180,7 +190,7 @@ class OtaCommand(_Body):
     url: str = Field(min_length=1, max_length=2048)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     signature: str  # Ed25519 signature of the manifest, hex
-    size: int = Field(ge=0)
+    size: Count
 
 
 OtaPhase = Literal[
@@ -218,7 +228,7 @@ class _Header(BaseModel):
     v: int
     id: str = Field(min_length=1, max_length=64)
     type: str
-    ts: float
+    ts: Finite
     sender: str = Field(min_length=1, max_length=128)
     reply_to: str | None = Field(default=None, max_length=512)
     corr: str | None = Field(default=None, max_length=128)

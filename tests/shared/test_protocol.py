@@ -155,3 +155,42 @@ def test_arbitrary_msgpack_documents_only_raise_protocol_error(doc) -> None:
         p.decode(msgpack.packb(doc, use_bin_type=True))
     except p.ProtocolError:
         pass
+
+
+# Values msgpack carries but the stores cannot hold (SQLite INTEGER is signed 64-bit; NaN becomes NULL) are
+# refused at decode, so every consumer gets one clear ProtocolError instead of a crash or a silent drop.
+def _body_wire(body: p.Body, **fields) -> bytes:
+    raw = msgpack.unpackb(p.encode(p.make(body, sender="t")))
+    raw["body"].update(fields)
+    return msgpack.packb(raw)
+
+
+RESULT = next(b for b in BODIES if isinstance(b, p.InferenceResult))
+STATE = next(b for b in BODIES if isinstance(b, p.DeviceState))
+
+
+@pytest.mark.parametrize("data, message", [
+    (_body_wire(EVENT, seq=2**64 - 1), "seq: Input should be less than or equal to 9223372036854775807"),
+    (_body_wire(EVENT, seq=2**63), "seq"),
+    (_body_wire(EVENT, timestamp=float("nan")), "timestamp: Input should be a finite number"),
+    (_body_wire(EVENT, timestamp=float("inf")), "timestamp: Input should be a finite number"),
+    (_body_wire(EVENT, readings={"hive_temp_c": float("nan")}), "readings.hive_temp_c: Input should be a finite"),
+    (_body_wire(EVENT, readings={"hive_temp_c": float("-inf")}), "readings.hive_temp_c: Input should be a finite"),
+    (_body_wire(STATE, session=2**64 - 1), "session"),
+    (_body_wire(STATE, counters={"answered": 2**63}), "counters.answered"),
+    (_body_wire(STATE, battery_v=float("nan")), "battery_v"),
+    (_body_wire(RESULT, event_seq=2**64 - 1), "event_seq"),
+    (_body_wire(RESULT, latency_ms=float("nan")), "latency_ms"),
+    (_body_wire(RESULT, confidence=float("-inf")), "confidence"),
+    (_wire(ts=float("nan")), "ts: Input should be a finite number"),
+])
+def test_values_storage_cannot_hold_are_refused_at_decode(data: bytes, message: str) -> None:
+    with pytest.raises(p.ProtocolError, match=message):
+        p.decode(data)
+
+
+def test_the_largest_values_storage_holds_still_decode() -> None:
+    top = 2**63 - 1
+    event = p.decode(_body_wire(EVENT, seq=top, timestamp=-1e300, readings={"x": 1.5e308})).body
+    assert event.seq == top and event.readings == {"x": 1.5e308}
+    assert p.decode(_body_wire(STATE, session=top, counters={"n": -top - 1})).body.session == top
