@@ -7,7 +7,7 @@ device, bridge or cloud worker). ``v1`` is the topic-scheme version and moves wi
     event        bridge  -> edge     sensor events for one device             QoS 1
     answer       edge    -> cloud    final answer for an event (edge or cloud tier)
     escalate     edge    -> cloud    inference requests; workers use $share/{group}/…
-    reply        cloud   -> edge     replies to escalations (the request's reply-to)
+    reply        cloud   -> edge     replies to escalations (only ever the escalating node's: reply_for)
     state        any     -> all      retained birth/death (Last Will) + telemetry
     ota/cmd      cloud   -> edge     OTA command
     ota/status   edge    -> cloud    OTA progress
@@ -56,6 +56,18 @@ def escalate(site: str, device: str) -> str:
 
 def reply(site: str, device: str) -> str:
     return _topic(site, device, "reply")
+
+
+def reply_for(escalation: str) -> str:
+    """The one topic an escalation is answered on: the reply topic of the node it was published by.
+
+    The broker's ACL lets a node publish only under its own topics, so this is a topic the sender
+    may be answered on; a ``reply_to`` naming any other would make the cloud publish for it.
+    """
+    where = parse(escalation)
+    if where.kind != "escalate":
+        raise TopicError(f"not an escalation topic: {escalation!r}")
+    return reply(where.site, where.node)
 
 
 def state(site: str, node: str) -> str:

@@ -29,3 +29,14 @@ def test_names_that_would_break_the_scheme_are_refused(bad: str) -> None:
 def test_parse_rejects_foreign_topics(bad: str) -> None:
     with pytest.raises(topics.TopicError):
         topics.parse(bad)
+
+
+def test_an_escalation_is_answered_on_the_reply_topic_of_its_node() -> None:
+    assert topics.reply_for(topics.escalate("meadow", "hive-0001")) == topics.reply("meadow", "hive-0001")
+
+
+@pytest.mark.parametrize("bad", ["apiary/v1/meadow/hive-0001/event", "apiary/v1/+/hive-0001/escalate",
+                                 "apiary/v1/meadow/#", "elsewhere/meadow/hive-0001/escalate"])
+def test_only_a_concrete_escalation_topic_has_a_reply_topic(bad: str) -> None:
+    with pytest.raises(topics.TopicError):
+        topics.reply_for(bad)
