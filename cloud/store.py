@@ -40,7 +40,12 @@ class Store(ABC):
     # fleet
     @abstractmethod
     def record_state(self, state: DeviceState, *, received_at: float | None = None) -> bool:
-        """Apply a birth/death/update; False when it is stale (older session than the latest birth)."""
+        """Apply a birth/death/update by the Sparkplug rule; False when it does not count.
+
+        A birth always counts and starts the node's session (whatever its number, so a huge
+        spoofed session cannot outlive the node's next real birth); a death counts only for the
+        current session, an update only while that session is alive. A node not seen yet is
+        learnt from whatever arrives first (e.g. a retained update)."""
 
     @abstractmethod
     def devices(self, site: str | None = None) -> list[dict[str, Any]]: ...
@@ -149,6 +154,13 @@ CREATE INDEX IF NOT EXISTS labels_by_time ON labels (labelled_at);
 # version gains the newer tables and indexes (labels) without losing anything.
 
 
+def _counts(state: DeviceState, session: int, status: str) -> bool:
+    """Sparkplug: a birth resets the session; a death or update must be of the current one, an update alive."""
+    if state.status == "birth":
+        return True
+    return state.session == session and (state.status == "death" or status != "death")
+
+
 def _json(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"), default=str)
 
@@ -193,11 +205,11 @@ class SqliteStore(Store):
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                row = self._db.execute("SELECT session FROM devices WHERE site=? AND device=?",
+                row = self._db.execute("SELECT session, status FROM devices WHERE site=? AND device=?",
                                        (state.site, state.device)).fetchone()
-                if row is not None and state.session < row["session"]:
+                if row is not None and not _counts(state, row["session"], row["status"]):
                     self._db.execute("COMMIT")
-                    return False  # a death (or update) from an older session than the latest birth
+                    return False
                 online = bool(state.online) and state.status != "death"
                 self._db.execute(
                     """INSERT INTO devices (site, device, role, online, status, session, battery_soc, battery_v,

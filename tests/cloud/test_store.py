@@ -52,6 +52,22 @@ def test_birth_death_sessions(store):
     assert store.devices(site="elsewhere") == []
 
 
+def test_sparkplug_sessions_a_birth_resets_death_and_update_need_the_current_session(store):
+    """A huge session number cannot freeze a node: the next birth resets it, whatever its number."""
+    assert store.record_state(state("birth", 3))
+    assert not store.record_state(state("update", 999_999))  # not the current session: refused
+    assert not store.record_state(state("death", 10**12))
+    (d,) = store.devices()
+    assert d["online"] and d["session"] == 3
+    assert store.record_state(state("birth", 10**12))  # even a spoofed birth...
+    assert store.record_state(state("birth", 4))  # ...is reset by the node's real one
+    assert store.record_state(state("death", 4))  # and its Last Will counts
+    (d,) = store.devices()
+    assert not d["online"] and d["session"] == 4
+    assert not store.record_state(state("update", 4))  # a dead session stays dead until a birth
+    assert not store.devices()[0]["online"]
+
+
 def test_events_answers_ota_are_idempotent_and_newest_first(store):
     for seq in range(5):
         ev = SensorEvent(site="meadow", device="hive-1", seq=seq, timestamp=1000.0 + seq, readings={"t": float(seq)})
