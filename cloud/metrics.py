@@ -61,7 +61,9 @@ class Metrics:
         self.escalations = Counter("apiary_escalations", "MQTT escalations by outcome", ["outcome"], registry=r)
         self.escalation_latency = Histogram("apiary_escalation_latency_seconds", "escalation receive-to-reply",
                                             ["outcome"], buckets=LATENCY_BUCKETS, registry=r)
-        self.recorded = Counter("apiary_recorded_messages", "fleet messages stored by the recorder",
+        self.recorded = Counter("apiary_recorded_messages", "fleet messages seen by the recorder: kind is the "
+                                "message type when stored, <type>_ignored when stale or repeated, "
+                                "<type>_refused when its body names another node than its topic",
                                 ["kind"], registry=r)
 
     def watch_engine(self, read: Callable[[], dict[str, Any]]) -> None:

@@ -4,10 +4,16 @@ It uses plain (not shared) subscriptions: retained birth certificates are only d
 to plain subscribers, and every replica recording the same message is harmless because
 the store's writes are idempotent on the envelope id. Handlers run on the MQTT network
 thread and do one small indexed SQLite write each.
+
+A message is stored only under the node of the topic it arrived on (``shared.identity``): a
+body naming another site or device is refused, counted (``apiary_recorded_messages_total``,
+kind ``<type>_refused``) and logged, so a device can write only its own fleet records, and a
+retained spoof is refused again at every start. Device state then follows the Sparkplug
+session rule (``Store.record_state``).
 """
 from __future__ import annotations
 
-from shared import topics
+from shared import identity, topics
 from shared.logs import get_logger
 from shared.protocol import DeviceState, Envelope, InferenceResult, OtaStatus, SensorEvent
 
@@ -32,14 +38,24 @@ class Recorder:
     def handle(self, topic: str, env: Envelope) -> None:
         """Store one message; anything that does not fit is logged and dropped, never raised."""
         try:
+            identity.check(topic, env)
+        except identity.IdentityError as e:
+            _log.warning("refused %s from %s: %s", env.type, env.sender, e)
+            self._count(f"{env.type.value}_refused")
+            return
+        try:
             stored = self._store(env)
         except Exception:
             _log.exception("could not record %s from %s on %s", env.type, env.sender, topic)
             return
         if stored is None:
             _log.warning("ignored %s on %s: not a fleet message", env.type, topic)
-        elif self.metrics is not None:
-            self.metrics.recorded.labels(kind=env.type.value if stored else f"{env.type.value}_ignored").inc()
+        else:
+            self._count(env.type.value if stored else f"{env.type.value}_ignored")
+
+    def _count(self, kind: str) -> None:
+        if self.metrics is not None:
+            self.metrics.recorded.labels(kind=kind).inc()
 
     def _store(self, env: Envelope) -> bool | None:
         body = env.body
