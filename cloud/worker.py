@@ -4,6 +4,12 @@ N workers on N machines subscribe the same shared subscription
 (``$share/<group>/apiary/v1/+/+/escalate``), so the broker hands each request to one of
 them. For every request the worker
 
+0. takes the sender from the topic: a body naming another site or device than the
+   escalation topic's is dropped (``identity_mismatch``), and the only reply topic is the
+   topic's own node's (``topics.reply_for``): a ``reply_to`` naming any other (another
+   device's topics, the cloud's own, a wildcard) is refused with an error reply there
+   (``reply_to_refused``). The cloud may publish anywhere, so answering wherever a device
+   asks would let it publish where the broker forbids it;
 1. claims it in the store, keyed by the envelope id (and the request id, for re-sends in
    a new envelope): an already answered request gets its stored answer again, without
    computing, whichever worker or restart sees it; a request another worker is still
@@ -12,8 +18,8 @@ them. For every request the worker
    same way when the deadline passes while it is queued or running (the engine request is
    aborted, its KV blocks freed);
 3. runs the engine at the request's priority (smaller = more urgent, the same scale on
-   both sides) and replies ``InferenceResult(tier="cloud")`` to the request's reply-to
-   with its correlation id; a ``json_action`` answer is decoded under the action's JSON
+   both sides) and replies ``InferenceResult(tier="cloud")`` on that reply topic with
+   the request's correlation id; a ``json_action`` answer is decoded under the action's JSON
    Schema and carries its confidence, scored by the edge's rule (``cloud.actions``);
 4. stores the result with its outcome and latency.
 
@@ -27,7 +33,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from shared import topics
+from shared import identity, topics
 from shared.logs import bind, get_logger
 from shared.protocol import Envelope, InferenceRequest, InferenceResult
 
@@ -56,7 +62,7 @@ class EscalationWorker:
         self.metrics = metrics or Metrics()
         self.transport = None
         self.stats = {"received": 0, "computed": 0, "cached": 0, "busy": 0, "expired": 0, "errors": 0, "ignored": 0,
-                      "overload_retries": 0}
+                      "overload_retries": 0, "identity_mismatch": 0, "reply_to_refused": 0}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name=f"escalations-{config.worker_id}", daemon=True)
         self._inflight: dict[tuple[str, str, str], list[Envelope]] = {}  # (site, device, request id) -> waiters
@@ -102,10 +108,10 @@ class EscalationWorker:
         """MQTT thread: hand the request to the worker loop and return at once."""
         if not self._started:
             return
-        self._loop.call_soon_threadsafe(self._spawn, env, time.time())
+        self._loop.call_soon_threadsafe(self._spawn, topic, env, time.time())
 
-    def _spawn(self, env: Envelope, received_at: float) -> None:
-        task = self._loop.create_task(self.handle(env, received_at))
+    def _spawn(self, topic: str, env: Envelope, received_at: float) -> None:
+        task = self._loop.create_task(self.handle(topic, env, received_at))
         self._tasks.add(task)
         task.add_done_callback(self._done)
 
@@ -115,8 +121,9 @@ class EscalationWorker:
             self.stats["errors"] += 1
             _log.error("escalation handling failed (the edge's retry will come back): %r", task.exception())
 
-    async def handle(self, env: Envelope, received_at: float | None = None) -> InferenceResult | None:
-        """Answer one escalation envelope (exactly one reply per envelope unless another worker owns it)."""
+    async def handle(self, topic: str, env: Envelope, received_at: float | None = None) -> InferenceResult | None:
+        """Answer one escalation envelope that arrived on ``topic`` (exactly one reply per envelope unless
+        another worker owns it, none when its body speaks for another node than the topic's)."""
         received_at = received_at or time.time()
         self.stats["received"] += 1
         req = env.body
@@ -124,10 +131,25 @@ class EscalationWorker:
             self.stats["ignored"] += 1
             _log.warning("ignored %s from %s on the escalation topic: not an inference_request", env.type, env.sender)
             return None
+        try:
+            identity.check(topic, env)
+        except identity.IdentityError as e:
+            self._refuse("identity_mismatch", "dropped escalation: %s", e)
+            return None
         if not env.reply_to:
             self.stats["ignored"] += 1
             _log.warning("ignored escalation %s from %s: no reply-to", req.request_id, env.sender)
             return None
+        reply_topic = topics.reply_for(topic)
+        if env.reply_to != reply_topic:
+            error = (f"reply_to {env.reply_to!r} refused: an escalation on {topic} is answered only on "
+                     f"{reply_topic}")
+            self._refuse("reply_to_refused", "escalation %s from %s: %s", req.request_id, env.sender, error)
+            refusal = InferenceResult(request_id=req.request_id, site=req.site, device=req.device, status="rejected",
+                                      tier="cloud", event_seq=req.event.seq if req.event else None,
+                                      model=self.config.model_name, error=error)
+            self._reply(env.model_copy(update={"reply_to": reply_topic}), refusal)
+            return refusal
         key, ident = env.id, (req.site, req.device, req.request_id)
         with bind(site=req.site, device=req.device, request_id=req.request_id):
             waiting = self._inflight.get(ident)
@@ -167,6 +189,12 @@ class EscalationWorker:
             self.metrics.escalations.labels(outcome=result.status).inc()
             self.metrics.escalation_latency.labels(outcome=result.status).observe(result.latency_ms / 1000)
             return result
+
+    def _refuse(self, outcome: str, message: str, *args: object) -> None:
+        """Count (stats and ``apiary_escalations_total{outcome}``) and log a request refused before any work."""
+        self.stats[outcome] += 1
+        self.metrics.escalations.labels(outcome=outcome).inc()
+        _log.warning(message, *args)
 
     def _reply(self, env: Envelope, result: InferenceResult) -> None:
         if self.transport is None:
