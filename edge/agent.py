@@ -14,6 +14,10 @@ Threads and why:
   back (the transport's link listener), never on a polling timer; the only timed
   wake-ups are escalation deadlines (fall back to the local draft) and telemetry.
 
+Identity comes from the topic (``shared.identity``): an event or a reply whose body names
+another site or device than the topic it arrived on is dropped, counted (``foreign_events``,
+``foreign_replies``) and logged, never acted on.
+
 Answer envelope ids are derived from the event's id, so whatever path produced the
 final answer (edge, cloud, fallback), a resend has the same id and consumers de-duplicate it.
 """
@@ -29,7 +33,7 @@ from edge.model import LocalModel
 from edge.responder import Outcome, Responder
 from edge.settings import EdgeSettings
 from edge.store import DeviceStore, OutboxItem
-from shared import topics
+from shared import identity, topics
 from shared.config import MqttConfig
 from shared.logs import bind, get_logger
 from shared.protocol import (DeviceState, Envelope, InferenceResult, MessageType, ProtocolError, SensorEvent, decode,
@@ -168,11 +172,9 @@ class EdgeAgent:
         if env.type != MessageType.SENSOR_EVENT:
             self.store.bump("unexpected_messages")
             return
-        ev: SensorEvent = env.body  # type: ignore[assignment]
-        if (ev.site, ev.device) != (self.site, self.device):
-            self.store.bump("foreign_events")
-            log.warning("event for %s/%s arrived on %s; ignored", ev.site, ev.device, topic)
+        if not self._speaks_for_us(topic, env, "foreign_events"):
             return
+        ev: SensorEvent = env.body  # type: ignore[assignment]
         fresh = self.store.receive(env.id, device=ev.device, seq=ev.seq, ts=ev.timestamp,
                                    priority=priority_for(ev.severity, question=ev.kind == "question"),
                                    payload=encode(env))
@@ -184,6 +186,8 @@ class EdgeAgent:
     def _on_reply(self, topic: str, env: Envelope) -> None:
         if env.type != MessageType.INFERENCE_RESULT or not env.correlation_id:
             self.store.bump("unexpected_messages")
+            return
+        if not self._speaks_for_us(topic, env, "foreign_replies"):
             return
         item = self.store.get(env.correlation_id)
         if item is None or item.kind != "escalation" or item.fallback is None:
@@ -199,6 +203,16 @@ class EdgeAgent:
             self._wake_flush.set()
         else:
             self.store.bump("duplicate_replies")
+
+    def _speaks_for_us(self, topic: str, env: Envelope, counter: str) -> bool:
+        """The body names the node of its topic (ours: the agent subscribes only to its own); else count and log."""
+        try:
+            identity.check(topic, env)
+        except identity.IdentityError as e:
+            self.store.bump(counter)
+            log.warning("ignored %s: %s", env.type.value, e)
+            return False
+        return True
 
     # ------------------------------------------------------------------ worker
 

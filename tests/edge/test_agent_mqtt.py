@@ -22,10 +22,10 @@ from edge.agent import EdgeAgent
 from edge.settings import EdgeSettings, PolicySettings
 from shared import topics
 from shared.config import MqttConfig
-from shared.protocol import DeviceState, Envelope, InferenceRequest, InferenceResult, Severity, make
+from shared.protocol import DeviceState, Envelope, InferenceRequest, InferenceResult, Severity, encode, make
 from shared.transport import MqttTransport
-from tests.edge.helpers import DEVICE, SITE, question, reading
-from tests.shared.helpers import Inbox, wait_until
+from tests.edge.helpers import DEVICE, SITE, RecordingModel, question, reading
+from tests.shared.helpers import AclBroker, Inbox, forged_payload, publish_raw, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -289,3 +289,69 @@ def test_no_cloud_answer_by_deadline_falls_back_and_bad_input_is_counted(mosquit
         agent.stop()
         bridge.stop()
         observer.transport.stop()
+
+
+# ---------------------------------------------------------------------------- the shipped ACL broker
+
+ACL_DEVICE = "hive-0001"  # the device's username: the ACL lets it use apiary/v1/+/hive-0001/# only
+
+
+def acl_agent(acl_mosquitto: AclBroker, tmp_path: Path) -> EdgeAgent:
+    settings = EdgeSettings(threads=1, state_dir=str(tmp_path / "state"), escalation_deadline_s=600.0)
+    return EdgeAgent(settings, site=SITE, device=ACL_DEVICE, mqtt=acl_mosquitto.login(ACL_DEVICE),
+                     model=RecordingModel()).start()
+
+
+def test_a_reply_naming_another_device_is_dropped_and_counted(acl_mosquitto, tmp_path: Path) -> None:
+    agent = acl_agent(acl_mosquitto, tmp_path)
+    escalations, answers = Inbox(), Inbox()
+    cloud = MqttTransport(acl_mosquitto.login("cloud"), "cloud-test", persistent=False)
+    cloud.subscribe(topics.escalate(SITE, ACL_DEVICE), escalations)
+    cloud.subscribe(topics.answer(SITE, ACL_DEVICE), answers)
+    cloud.start(10)
+    bridge = MqttTransport(acl_mosquitto.login("bridge"), "bridge-test", persistent=False).start(10)
+    try:
+        ask = question(1, "Is it swarming?", want_cloud=True, device=ACL_DEVICE)
+        assert bridge.publish(topics.event(SITE, ACL_DEVICE), make(ask, sender="bridge"), timeout=10)
+        (escalation,) = escalations.wait(1)
+        action = {"assessment": "normal", "action": "Nothing to do", "urgency": "low", "explanation": ""}
+
+        def reply(device: str, text: str) -> None:
+            body = InferenceResult(request_id=escalation.body.request_id, site=SITE, device=device, tier="cloud",
+                                   text=text, action=action)
+            assert cloud.reply(escalation, body, timeout=10)
+
+        reply("hive-0002", "for another device")  # the right correlation id, another device's answer
+        reply(ACL_DEVICE, "for this device")  # after it, on the same connection
+        (answer,) = answers.wait(1)
+        assert answer.body.tier == "cloud" and answer.body.text == "for this device"
+        counters = agent.store.counters()
+        assert counters["foreign_replies"] == 1 and counters["answered_cloud"] == 1
+        assert "duplicate_replies" not in counters
+    finally:
+        agent.stop()
+        bridge.stop()
+        cloud.stop()
+
+
+def test_values_storage_cannot_hold_are_refused_at_decode_and_the_agent_goes_on(acl_mosquitto,
+                                                                                  tmp_path: Path) -> None:
+    agent = acl_agent(acl_mosquitto, tmp_path)
+    escalations = Inbox()
+    cloud = MqttTransport(acl_mosquitto.login("cloud"), "cloud-test", persistent=False)
+    cloud.subscribe(topics.escalate(SITE, ACL_DEVICE), escalations)
+    cloud.start(10)
+    try:
+        topic, bridge = topics.event(SITE, ACL_DEVICE), acl_mosquitto.login("bridge")
+        publish_raw(bridge, topic, forged_payload(reading(1, device=ACL_DEVICE), seq=2**64 - 1))
+        publish_raw(bridge, topic, forged_payload(reading(2, device=ACL_DEVICE), timestamp=float("nan")))
+        publish_raw(bridge, topic, forged_payload(reading(3, device=ACL_DEVICE), readings={"hive_temp_c": float("inf")}))
+        publish_raw(bridge, topic, encode(make(question(4, want_cloud=True, device=ACL_DEVICE), sender="bridge")))
+        (escalation,) = escalations.wait(1)  # the valid question, handled after the three before it
+        assert escalation.body.event.seq == 4
+        assert agent.transport.stats["decode_errors"] == 3 and agent.transport.stats["handler_errors"] == 0
+        counters = agent.store.counters()
+        assert "duplicate_events" not in counters and "event_errors" not in counters
+    finally:
+        agent.stop()
+        cloud.stop()
