@@ -108,7 +108,7 @@ class EdgeAgent:
         s = self.settings
         if self._model is None:
             self._model = LocalModel.from_settings(s)
-        self.responder = Responder(s, self._model)
+        self.responder = Responder(s, self._model, max_payload=self.transport.config.max_payload)
         self.transport.set_will(topics.state(self.site, self.device), self._state_envelope("death"))
         self.transport.add_link_listener(self._on_link)
         self.transport.subscribe(topics.event(self.site, self.device), self._on_event)
@@ -268,11 +268,17 @@ class EdgeAgent:
                               deadline=out.request.deadline, fallback=encode(fallback))
             dropped = self.store.finish(event_id, [item], counter="escalated")
             log.info("escalated: %s", out.decision.explain() if out.decision else "")
+            if out.trimmed:
+                self.store.bump("escalations_trimmed")
+                log.warning("escalation trimmed to fit the %d-byte payload limit: %s",
+                            self.transport.config.max_payload, out.trimmed)
         else:
             item = self._answer_item(out.answer, event_id, priority)
             dropped = self.store.finish(event_id, [item], counter="answered_edge" if out.route == "answered"
                                         else "deferred")
             self._count_answer(out.answer)
+            if out.decision is not None and out.decision.blocked:
+                log.warning("not escalated (%s): answered locally", out.decision.blocked)
             log.info("answered locally (%s): %s", out.answer.status,
                      out.answer.action.get("assessment") if out.answer.action else out.answer.error)
         if dropped:

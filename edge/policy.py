@@ -12,8 +12,9 @@ Two questions are asked in order:
 2. :meth:`EscalationPolicy.decide` - escalate? Yes when any reason fires: critical
    severity/kind/flag, operator asked for cloud, the local answer failed validation, or
    confidence (a low logprob quantile) is below ``min_confidence`` / entropy above
-   ``max_entropy``; and no blocker forbids it (link policy, radio budget, battery). A
-   blocked escalation is answered locally and the answer says why.
+   ``max_entropy``; and no blocker forbids it (an event too large for the wire, link
+   policy, radio budget, battery). A blocked escalation is answered locally and the answer
+   says why.
 """
 from __future__ import annotations
 
@@ -35,13 +36,15 @@ class Situation:
     escalations_last_hour: int = 0
     battery_soc: float | None = None
     energy_short: bool = False  # the energy budget cannot pay for a local inference now
+    too_large: str | None = None  # why the event cannot be escalated at any size (edge.fitting.too_large)
 
     @classmethod
     def of(cls, event: SensorEvent, *, link_up: bool, escalations_last_hour: int = 0,
-           battery_soc: float | None = None, energy_short: bool = False) -> "Situation":
+           battery_soc: float | None = None, energy_short: bool = False,
+           too_large: str | None = None) -> "Situation":
         return cls(severity=event.severity, kind=event.kind, flags=tuple(event.flags), want_cloud=event.want_cloud,
                    link_up=link_up, escalations_last_hour=escalations_last_hour, battery_soc=battery_soc,
-                   energy_short=energy_short)
+                   energy_short=energy_short, too_large=too_large)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +99,8 @@ class EscalationPolicy:
     def blocker(self, s: Situation) -> str | None:
         """Why an escalation may not be sent now, or None."""
         cfg = self.settings
+        if s.too_large is not None:
+            return s.too_large
         if cfg.link == "never":
             return "policy link=never: this device does not use the cloud"
         if cfg.link == "online_only" and not s.link_up:

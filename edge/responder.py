@@ -3,7 +3,9 @@
 This is the agent's decision logic without MQTT or SQLite, so it can be tested and
 benchmarked on its own: given an event, its context and whether the link is up, it
 returns what to publish - a local final answer, an escalation request (with the local
-draft to fall back on), a deferral, or nothing for a routine reading.
+draft to fall back on), a deferral, or nothing for a routine reading. An escalation always
+fits the wire (``edge.fitting``): its context is trimmed to fit, and an event too large to
+escalate at all is answered locally with the reason.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal, Sequence
 
 from edge.confidence import Confidence, measure
+from edge import fitting
 from edge.energy import EnergyBudget
 from edge.errors import EdgeError
 from edge.model import Generation, LocalModel
@@ -20,7 +23,8 @@ from edge.policy import Attempt, Decision, EscalationPolicy, Plan, Situation
 from edge.settings import EdgeSettings
 from edge.triage import needs_answer
 from shared.prompting import build_messages, parse_action
-from shared.protocol import EdgeAttempt, InferenceRequest, InferenceResult, SensorEvent, priority_for
+from shared.protocol import (DEFAULT_MAX_PAYLOAD, EdgeAttempt, InferenceRequest, InferenceResult, SensorEvent,
+                             priority_for)
 
 Route = Literal["logged", "answered", "escalated", "deferred"]
 
@@ -35,6 +39,7 @@ class Outcome:
     generation: Generation | None = None
     confidence: Confidence | None = None
     energy_j: float = 0.0
+    trimmed: str | None = None  # what the escalation left out to fit the wire (edge.fitting), for logs
 
 
 def without_truth(event: SensorEvent) -> SensorEvent:
@@ -57,9 +62,10 @@ class Responder:
     """Decides, for each event, who answers it and produces that answer or the escalation."""
 
     def __init__(self, settings: EdgeSettings, model: LocalModel, *, budget: EnergyBudget | None = None,
-                 policy: EscalationPolicy | None = None) -> None:
+                 policy: EscalationPolicy | None = None, max_payload: int = DEFAULT_MAX_PAYLOAD) -> None:
         self.settings = settings
         self.model = model
+        self.max_payload = max_payload  # the link's payload limit: an escalation envelope must fit it
         self.budget = budget or EnergyBudget(settings.power)
         self.policy = policy or EscalationPolicy(settings.policy)
         self._escalations: deque[float] = deque()
@@ -79,7 +85,8 @@ class Responder:
         request_id = request_id or f"{event.device}-{event.seq}"
         threads, max_tokens = self.budget.knobs(self.settings.threads, self.settings.max_tokens)
         situation = Situation.of(event, link_up=link_up, escalations_last_hour=self.escalations_last_hour(),
-                                 battery_soc=self.budget.battery_soc, energy_short=self.budget.short(max_tokens))
+                                 battery_soc=self.budget.battery_soc, energy_short=self.budget.short(max_tokens),
+                                 too_large=fitting.too_large(without_truth(event), max_bytes=self.max_payload))
         plan = self.policy.plan(situation)
         style = getattr(self.model, "prompt_style", "examples")
         messages = build_messages(event, context, style=style)
@@ -116,7 +123,7 @@ class Responder:
         elif decision.escalate:
             self._escalations.append(time.monotonic())
             out.route = "escalated"
-            out.request = InferenceRequest(
+            request = InferenceRequest(
                 request_id=request_id, site=event.site, device=event.device,
                 # The cloud worker asks an untuned model with the request's messages as they are (it needs the
                 # examples prompt) and rebuilds them for a tuned one, so they are the examples prompt whatever
@@ -130,4 +137,8 @@ class Responder:
                                          logprob_quantiles=conf.quantiles if conf else {},
                                          completion_tokens=gen.completion_tokens) if gen else None,
                 reason="; ".join(decision.reasons))
+            fitted = fitting.fit(request, max_bytes=self.max_payload)
+            if fitted.request is None:  # too_large() let the bare event through: it always fits
+                raise EdgeError(f"escalation of {event.device} #{event.seq} does not fit {self.max_payload} bytes")
+            out.request, out.trimmed = fitted.request, fitted.note
         return out

@@ -355,3 +355,32 @@ def test_values_storage_cannot_hold_are_refused_at_decode_and_the_agent_goes_on(
     finally:
         agent.stop()
         cloud.stop()
+
+
+def test_large_valid_events_in_the_context_never_leave_an_event_without_an_answer(mosquitto, tmp_path: Path) -> None:
+    """Two valid ~210 KB readings, then a normal critical one: its escalation would carry both as context
+    (over the payload limit); trimmed, it reaches the cloud and the event is answered once."""
+    config = fast(mosquitto.config)
+    cloud = FakeCloud(config).start()
+    observer = Observer(config)
+    bridge = Bridge(config)
+    settings = EdgeSettings(threads=1, state_dir=str(tmp_path / "state"), escalation_deadline_s=600.0)
+    agent = EdgeAgent(settings, site=SITE, device=DEVICE, mqtt=config, model=RecordingModel()).start()
+    try:
+        big = [reading(seq, **{f"probe_{k:05d}": float(k) for k in range(10_000 + 500 * seq)}) for seq in (1, 2)]
+        assert all(200_000 < len(encode(make(e, sender="bridge.test"))) < 240_000 for e in big)
+        for event in big:
+            bridge.send(event)
+        bridge.send(reading(3, severity=Severity.CRITICAL, flags=("hive_temp_c_high",), hive_temp_c=40.5))
+        (answer,) = observer.answers.wait(1, timeout=60)
+        assert answer.body.event_seq == 3 and answer.body.tier == "cloud"
+        (request,) = cloud.requests.values()
+        assert request.event.seq == 3 and [e.seq for e in request.context] == [1]  # the largest one left out
+        counters = agent.store.counters()
+        assert counters["escalations_trimmed"] == 1 and counters["answered_cloud"] == 1
+        assert "event_errors" not in counters and counters["routine_logged"] == 2
+    finally:
+        agent.stop()
+        bridge.stop()
+        for t in (observer.transport, cloud.transport):
+            t.stop()

@@ -4,7 +4,8 @@ from __future__ import annotations
 from edge.responder import Responder
 from edge.settings import EdgeSettings, PolicySettings
 from shared.prompting import build_messages
-from tests.edge.helpers import SITUATIONS, RecordingModel, reading
+from shared.protocol import Severity, encode, make
+from tests.edge.helpers import SITUATIONS, RecordingModel, question, reading
 
 
 def respond(model: RecordingModel, min_confidence: float = -100.0):
@@ -35,3 +36,31 @@ def test_escalation_carries_the_examples_prompt_whatever_the_edge_model_reads() 
     assert out.route == "escalated"
     assert model.asked == [build_messages(event, context, style="short")]
     assert out.request.messages == build_messages(event, context)
+
+
+def test_an_escalation_too_large_for_the_wire_is_sent_with_less_context() -> None:
+    model = RecordingModel()
+    settings = EdgeSettings(threads=1)
+    big = [reading(i, **{f"probe_{k:05d}": float(k) for k in range(10_000)}) for i in (1, 2)]  # ~210 KB each
+    event = reading(3, severity=Severity.CRITICAL, flags=("hive_temp_c_high",), hive_temp_c=40.5)
+    out = Responder(settings, model).respond(event, big)
+    assert out.route == "escalated" and out.request.context == [big[1]]
+    assert out.trimmed == "1 of 2 context events left out"
+    assert encode(make(out.request, sender="edge.north.hive-01", reply_to="apiary/v1/north/hive-01/reply"))
+
+
+def test_an_event_too_large_to_escalate_even_alone_is_answered_locally_and_says_why() -> None:
+    model = RecordingModel()
+    settings = EdgeSettings(threads=1)
+    event = reading(1, severity=Severity.CRITICAL, flags=("hive_temp_c_high",), hive_temp_c=40.5,
+                    **{f"probe_{k:05d}": float(k) for k in range(1200)})
+    out = Responder(settings, model, max_payload=16 * 1024).respond(event, [])
+    assert out.route == "answered" and out.request is None and len(model.asked) == 1
+    assert out.answer.status == "ok" and out.answer.tier == "edge" and out.answer.action is not None
+    assert out.answer.escalation_reason.startswith(
+        "severity critical is critical (not escalated: event too large to escalate: ")
+    # an operator's cloud question gets the local model instead of nothing
+    ask = question(2, "x" * 20_000, want_cloud=True)
+    out = Responder(settings, model, max_payload=16 * 1024).respond(ask, [])
+    assert out.route == "answered" and out.answer.status == "ok" and len(model.asked) == 2
+    assert "not escalated: event too large to escalate" in out.answer.escalation_reason
