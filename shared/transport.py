@@ -16,6 +16,13 @@ One :class:`MqttTransport` per process role wraps a paho-mqtt 2.x client
 * **Order per publisher.** One TCP connection, an in-flight window of 100 (the shipped
   Mosquitto's Receive Maximum), in-order resends and id de-duplication keep each
   publisher's stream in order at the subscriber.
+* **Subscriptions survive every reconnect.** A subscription is active only once a SUBACK
+  granted it on the current connection; every (re)connect subscribes everything again,
+  whatever the session-present flag says (a SUBSCRIBE queued just before a link drop is
+  lost while the broker resumes the session without it). A refused filter (SUBACK 0x80+) is
+  logged as an error and retried with backoff. On MQTT 5 a re-subscription asks for retained
+  messages only if the broker did not have it (Retain Handling 1); on 3.1.1 the re-sent
+  retained messages are dropped as duplicates.
 * **Shared subscriptions where the broker has them.** ``$share/{group}/…`` goes to the
   broker as is; on a broker that refused MQTT 5 (amqtt has no shared subscriptions) the
   plain filter is subscribed instead, so one consumer still gets every message.
@@ -38,6 +45,7 @@ from typing import Any, Callable
 import paho.mqtt.client as paho
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
+from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from shared.config import MqttConfig
 from shared.logs import get_logger
@@ -54,7 +62,7 @@ DEFAULT_DEDUP_SIZE = 50_000
 _FATAL_CONNACK = {"Not authorized", "Bad user name or password", "Client identifier not valid", "Banned",
                   "Bad authentication method"}
 STAT_KEYS = ("published", "acked", "refused", "received", "duplicates", "decode_errors", "handler_errors",
-             "reconnects")
+             "reconnects", "subscribe_refused")
 
 
 class TransportError(RuntimeError):
@@ -92,12 +100,23 @@ class _Subscription:
     qos: int
     handlers: list[Handler] = field(default_factory=list)
     dedup: bool = True  # False: the handler is idempotent itself and wants re-sends (e.g. retried requests)
-    sent: bool = False  # the broker's session has it (a resumed session needs only the unsent ones)
+    granted: int | None = None  # QoS a SUBACK granted on the current connection; None: not active (yet)
+    refusals: int = 0  # refusals since the last grant: the retry backoff
 
     @property
     def local_filter(self) -> str:
         """The filter matched locally: shared subscriptions deliver plain topics."""
         return self.filter.split("/", 2)[2] if self.filter.startswith("$share/") else self.filter
+
+
+@dataclass(slots=True)
+class _SubscribeSent:
+    """One SUBSCRIBE waiting for its SUBACK: which filter, and whether a ``subscribe()`` caller waits on it
+    (a refusal is then the caller's TransportError; otherwise it is retried)."""
+
+    filter: str
+    waited: bool
+    refusal: str | None = None  # set by a refusing SUBACK of a waited SUBSCRIBE, for its caller
 
 
 @dataclass(slots=True)
@@ -157,8 +176,10 @@ class MqttTransport:
         self._connected = threading.Event()
         self._stopped = False
         self._net_thread: int | None = None
-        self._suback = threading.Condition()
-        self._subacks: dict[int, tuple[float, list[Any]]] = {}
+        self._suback = threading.Condition(self._lock)  # a subscription's state changed (SUBACK, link drop)
+        self._subscribes: dict[int, _SubscribeSent] = {}  # mid -> SUBSCRIBE in flight on the current connection
+        self._link_generation = 0  # bumped at every connect: a retry timer of an older link does nothing
+        self._retries: set[threading.Timer] = set()
         self._refusals: dict[int, tuple[float, str]] = {}
 
     # ------------------------------------------------------------------ lifecycle
@@ -166,6 +187,17 @@ class MqttTransport:
     @property
     def connected(self) -> bool:
         return self._connected.is_set()
+
+    @property
+    def subscribed(self) -> bool:
+        """Connected, and the broker granted every subscription on this connection (so messages flow)."""
+        with self._lock:
+            return self.connected and all(s.granted is not None for s in self._subs.values())
+
+    def wait_subscribed(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s until :attr:`subscribed`; False if it did not happen in time."""
+        with self._suback:
+            return self._suback.wait_for(lambda: self.subscribed, timeout)
 
     def add_link_listener(self, fn: LinkListener) -> None:
         """``fn(True)`` after every (re)connect, ``fn(False)`` when the link drops; runs on the network thread."""
@@ -210,6 +242,10 @@ class MqttTransport:
             while self.stats["published"] > self.stats["acked"] and time.monotonic() < deadline:
                 time.sleep(0.01)
         self._stopped = True
+        with self._lock:
+            retries, self._retries = self._retries, set()
+        for timer in retries:
+            timer.cancel()
         if client is not None:
             client.disconnect()
             client.loop_stop()
@@ -275,11 +311,13 @@ class MqttTransport:
                   dedup: bool = True) -> None:
         """Deliver decoded, de-duplicated envelopes matching ``topic_filter`` to ``handler``.
 
-        Subscriptions are remembered and restored on reconnect. When connected this waits
-        up to ``timeout`` for the SUBACK and raises :class:`TransportError` if the broker
-        refuses the filter (e.g. an ACL). ``dedup=False`` hands repeated envelope ids to the
-        handler too: for handlers that are idempotent on their own and must answer a
-        deliberate re-send (a store-and-forward retry whose first reply was lost).
+        Subscriptions are remembered and subscribed again at every reconnect. When connected
+        this waits up to ``timeout`` for the broker to grant it (across a reconnect if the link
+        drops meanwhile) and raises :class:`TransportError` if the broker refuses the filter
+        (e.g. an ACL); a later refusal of a re-subscription is logged and retried.
+        ``dedup=False`` hands repeated envelope ids to the handler too: for handlers that are
+        idempotent on their own and must answer a deliberate re-send (a store-and-forward retry
+        whose first reply was lost).
         """
         self._add_subscription(topic_filter, handler, qos, timeout, dedup)
 
@@ -430,41 +468,81 @@ class MqttTransport:
             if handler is not None:
                 sub.handlers.append(handler)
         if not is_new or not self.connected:
-            return  # sent on (re)connect
+            return  # subscribed at the next (re)connect
+        on_network_thread = threading.get_ident() == self._net_thread  # its SUBACK comes after this callback
         try:
-            codes = self._send_subscribe(self._client, sub, wait=timeout)
+            mid = self._send_subscribe(self._client, sub, waited=not on_network_thread, restore=False)
         except TransportError:
             with self._lock:
                 self._subs.pop(topic_filter, None)
             raise
-        if codes is None:
-            log.warning("no SUBACK for %s within %ss; it will be restored on reconnect", topic_filter, timeout)
+        if on_network_thread:
+            return
+        with self._suback:
+            self._suback.wait_for(lambda: sub.granted is not None or self._refused(mid), timeout)
+            sent = self._subscribes.get(mid) if mid is not None else None
+            refusal = sent.refusal if sent is not None else None
+            if refusal is not None:
+                del self._subscribes[mid]
+                self._subs.pop(topic_filter, None)
+            elif sent is not None:
+                sent.waited = False  # still unanswered: a late refusal is retried like a re-subscription's
+            if refusal is None and sub.granted is None:
+                log.warning("no SUBACK for %s within %ss; it is subscribed again at every reconnect", topic_filter,
+                            timeout)
+        if refusal is not None:
+            raise TransportError(f"broker refused subscription to {topic_filter!r}: {refusal}")
+
+    def _refused(self, mid: int | None) -> bool:
+        sent = self._subscribes.get(mid) if mid is not None else None
+        return sent is not None and sent.refusal is not None
 
     def _broker_filter(self, sub: _Subscription) -> str:
         if sub.filter.startswith("$share/") and not self.shared_subscriptions:
             return sub.local_filter  # one consumer gets everything rather than nobody getting anything
         return sub.filter
 
-    def _send_subscribe(self, client: paho.Client, sub: _Subscription, wait: float | None) -> list[Any] | None:
-        """Send SUBSCRIBE; with ``wait`` block for the SUBACK and raise if refused."""
-        started = time.monotonic()
-        try:
-            rc, mid = client.subscribe(self._broker_filter(sub), qos=sub.qos)
-        except ValueError as e:
-            raise TransportError(f"invalid subscription {sub.filter!r}: {e}") from None
-        sub.sent = rc == paho.MQTT_ERR_SUCCESS
-        if not sub.sent or mid is None or wait is None:
-            return None
-        if threading.get_ident() == self._net_thread:
-            return None  # SUBACK can only arrive once this callback returns
-        with self._suback:
-            got = self._suback.wait_for(lambda: self._subacks.get(mid, (-1.0,))[0] >= started, wait)
-            codes = self._subacks.pop(mid)[1] if got else None
-        if codes is not None:
-            bad = [str(c) for c in codes if getattr(c, "is_failure", False)]
-            if bad:
-                raise TransportError(f"broker refused subscription to {sub.filter!r}: {', '.join(bad)}")
-        return codes
+    def _send_subscribe(self, client: paho.Client, sub: _Subscription, *, waited: bool, restore: bool) -> int | None:
+        """Send SUBSCRIBE for ``sub`` and remember its mid until the SUBACK; None if the link is down.
+
+        ``restore``: a re-subscription (MQTT 5 then asks for retained messages only if the broker's
+        session lacked the subscription: the first connect of a process wants them all again).
+        """
+        if self.protocol == "5":
+            args: dict[str, Any] = {"options": SubscribeOptions(qos=sub.qos, retainHandling=int(restore))}
+        else:
+            args = {"qos": sub.qos}
+        with self._lock:  # the SUBACK callback takes the lock too: the mid is registered before it can look
+            try:
+                rc, mid = client.subscribe(self._broker_filter(sub), **args)
+            except ValueError as e:
+                raise TransportError(f"invalid subscription {sub.filter!r}: {e}") from None
+            if rc != paho.MQTT_ERR_SUCCESS or mid is None:
+                return None  # not connected: the next connect subscribes it
+            self._subscribes[mid] = _SubscribeSent(sub.filter, waited)
+            return mid
+
+    def _schedule_retry(self, sub: _Subscription) -> None:
+        """Subscribe a refused filter again after a backoff (reconnect_min_s doubling up to reconnect_max_s)."""
+        cfg = self.config
+        delay = min(cfg.reconnect_max_s, cfg.reconnect_min_s * 2 ** min(sub.refusals - 1, 16))
+        timer = threading.Timer(delay, self._retry, args=(sub.filter, self._link_generation))
+        timer.daemon = True
+        with self._lock:
+            if self._stopped:
+                return
+            self._retries.add(timer)
+        timer.start()
+
+    def _retry(self, topic_filter: str, generation: int) -> None:
+        with self._lock:
+            self._retries = {t for t in self._retries if t.is_alive() and t is not threading.current_thread()}
+            sub = self._subs.get(topic_filter)
+            in_flight = any(s.filter == topic_filter for s in self._subscribes.values())
+            if (self._stopped or not self.connected or generation != self._link_generation or sub is None
+                    or sub.granted is not None or in_flight):
+                return  # a reconnect subscribes it anyway, or it has been granted meanwhile
+        self._send_subscribe(self._client, sub, waited=False, restore=True)
 
     # ------------------------------------------------------------------ paho callbacks (network thread)
 
@@ -495,12 +573,12 @@ class MqttTransport:
             if receive_max and receive_max < self.max_inflight:  # paho cannot adapt once connected
                 log.warning("broker Receive Maximum %d < max_inflight %d: lower max_inflight", receive_max,
                             self.max_inflight)
-        self._connected.set()  # before the snapshot: a subscribe() racing with it is sent by one side or both
         with self._lock:
+            self._link_generation += 1
+            self._connected.set()  # before the snapshot: a subscribe() racing with it is sent by one side or both
             subs = list(self._subs.values())
-        for sub in subs:
-            if first or not flags.session_present or not sub.sent:
-                self._send_subscribe(client, sub, wait=None)
+        for sub in subs:  # whatever session_present says: a SUBSCRIBE sent just before a drop may never have arrived
+            self._send_subscribe(client, sub, waited=False, restore=not first)
         if first and not self.shared_subscriptions and any(s.filter.startswith("$share/") for s in subs):
             log.warning("broker %s has no shared subscriptions: each consumer receives every message",
                         self.config.url)
@@ -519,8 +597,13 @@ class MqttTransport:
                 attempt.kind = "protocol" if attempt.protocol == "5" else "unreachable"
                 attempt.done.set()
             return
-        was_up = self._connected.is_set()
-        self._connected.clear()
+        with self._suback:
+            was_up = self._connected.is_set()
+            self._connected.clear()
+            for sub in self._subs.values():
+                sub.granted = None  # until a SUBACK on the next connection
+            self._subscribes.clear()  # never answered now; a waiting subscribe() waits for the re-subscription
+            self._suback.notify_all()
         if was_up:
             if not self._stopped:
                 log.warning("lost connection to %s (%s); reconnecting", self.config.url, reason)
@@ -538,15 +621,30 @@ class MqttTransport:
                         del self._refusals[old]
 
     def _on_subscribe(self, client: paho.Client, attempt: _Attempt, mid: int, codes: list[Any], props: Any) -> None:
+        retry = None
         with self._suback:
-            self._subacks[mid] = (time.monotonic(), list(codes))
-            if len(self._subacks) > 256:  # SUBACKs of restore-on-reconnect subscriptions are never claimed
-                for old in list(self._subacks)[:128]:
-                    del self._subacks[old]
+            sent = self._subscribes.get(mid)
+            sub = self._subs.get(sent.filter) if sent is not None else None
+            if sent is None or sub is None:
+                return  # a SUBACK of a previous link, or of a subscription refused to its caller already
+            bad = [str(c) for c in codes if getattr(c, "is_failure", False)]
+            if not bad:
+                del self._subscribes[mid]
+                sub.granted = min((c.value for c in codes), default=sub.qos)
+                sub.refusals = 0
+            else:
+                self.stats["subscribe_refused"] += 1
+                sub.granted = None
+                sub.refusals += 1
+                if sent.waited:
+                    sent.refusal = ", ".join(bad)  # its subscribe() caller raises
+                else:
+                    del self._subscribes[mid]
+                    retry = sub
             self._suback.notify_all()
-        for c in codes:
-            if getattr(c, "is_failure", False):
-                log.warning("broker refused a subscription (mid %d): %s", mid, c)
+        if retry is not None:
+            log.error("broker refused subscription to %s: %s; retrying", retry.filter, ", ".join(bad))
+            self._schedule_retry(retry)
 
     def _on_message(self, client: paho.Client, attempt: _Attempt, msg: paho.MQTTMessage) -> None:
         self._count("received")

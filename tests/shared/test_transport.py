@@ -17,6 +17,7 @@ from shared.config import MqttConfig
 from shared.protocol import (ChatMessage, DeviceState, EdgeAttempt, Envelope, InferenceRequest, InferenceResult,
                              OtaCommand, OtaStatus, ProtocolError, SensorEvent, Severity, encode, make)
 from shared.transport import MqttTransport, RecentIds, TransportError
+from tests.shared.faulty_link import Fault, FaultyLink
 from tests.shared.helpers import Inbox, device_with_will, wait_until
 
 pytestmark = pytest.mark.timeout(90)
@@ -208,6 +209,138 @@ def test_offline_persistent_subscriber_gets_messages_on_return(broker, connect) 
     assert sorted(got) == list(range(301))
     if isinstance(broker, MosquittoBroker):
         assert got == list(range(301))  # Mosquitto also keeps the order
+
+
+# ---------------------------------------------------------------------------- subscriptions across reconnects
+
+FAST = {"reconnect_min_s": 0.05, "reconnect_max_s": 0.2}
+
+# Each breaks the connect/subscribe sequence at one point; the same faults hit the first connect
+# (a fresh persistent session) and a reconnect into a session the broker resumes.
+SEQUENCE_FAULTS = {
+    "connack-lost": [Fault("CONNACK", "cut_before")],
+    "link-lost-right-after-connack": [Fault("CONNACK", "cut_after")],
+    "subscribe-lost": [Fault("SUBSCRIBE", "cut_before")],
+    "suback-lost": [Fault("SUBACK", "cut_before")],
+    "subscription-refused-once": [Fault("SUBACK", "refuse")],
+    "twice-in-a-row": [Fault("CONNACK", "cut_after"), Fault("SUBSCRIBE", "cut_before")],
+}
+
+
+@pytest.fixture
+def faulty_link() -> Iterator[Callable[[MqttConfig], FaultyLink]]:
+    made: list[FaultyLink] = []
+
+    def _make(upstream: MqttConfig) -> FaultyLink:
+        made.append(FaultyLink(upstream.model_copy(update=FAST)))
+        return made[-1]
+
+    yield _make
+    for link in made:
+        link.close()
+
+
+def restart(broker) -> None:
+    """Mosquitto keeps its persistent sessions across a restart; the embedded amqtt forgets them."""
+    broker.stop()
+    broker.start()
+
+
+def granted_again(link: FaultyLink) -> None:
+    """Every armed fault happened, and the broker then granted the subscription on a live connection."""
+    wait_until(lambda: link.armed == 0 and link.granted_on_latest() >= 1, timeout=15,
+               what="the subscription granted again after the fault")
+
+
+def delivered(pub: MqttTransport, inbox: Inbox, seq: int, device: str) -> None:
+    """An event published now reaches the subscriber."""
+    wait_until(lambda: pub.connected, what="the publisher's link")
+    assert pub.publish(topics.event(SITE, device), event(seq, device=device), timeout=10)
+    wait_until(lambda: seq in [e.body.seq for e in inbox.envs], timeout=15, what=f"event {seq} at the subscriber")
+
+
+@pytest.mark.parametrize("faults", SEQUENCE_FAULTS.values(), ids=SEQUENCE_FAULTS.keys())
+def test_subscriptions_survive_a_link_lost_at_any_point_of_connect_and_subscribe(broker, connect, faulty_link,
+                                                                                 faults) -> None:
+    link = faulty_link(broker.config)
+    inbox = Inbox()
+    sub = connect(link.config, "edge-hive-05", start=False)
+    sub.subscribe(topics.event(SITE, "hive-05"), inbox)
+    pub = connect(broker.config, "bridge-5")
+
+    link.arm(*faults)
+    sub.start(10)  # the first connect of a fresh persistent session
+    granted_again(link)
+    delivered(pub, inbox, 1, "hive-05")
+
+    link.arm(*faults)
+    link.drop()  # a reconnect into the session the broker kept
+    granted_again(link)
+    assert link.session_present[-1] is True, "the broker resumed the session: the case that skipped re-subscribing"
+    delivered(pub, inbox, 2, "hive-05")
+    assert sub.subscribed and sub.stats["reconnects"] >= 1
+    if faults[0].action == "refuse":
+        assert sub.stats["subscribe_refused"] == 2  # logged and retried, once per phase
+
+
+def test_subscriptions_survive_broker_restarts_mid_subscribe(broker, connect, faulty_link) -> None:
+    """The broker goes down while the SUBSCRIBE is in flight (it never processed it), then once more later."""
+    link = faulty_link(broker.config)
+    inbox = Inbox()
+    sub = connect(link.config, "edge-hive-06", start=False)
+    sub.subscribe(topics.event(SITE, "hive-06"), inbox)
+    link.arm(Fault("SUBSCRIBE", "swallow"))
+    sub.start(10)
+    wait_until(lambda: link.armed == 0, what="the SUBSCRIBE to be lost")
+    assert not sub.subscribed  # no SUBACK: not active, whatever the connection says
+    restart(broker)
+    granted_again(link)
+    pub = connect(broker.config.model_copy(update=FAST), "bridge-6")
+    delivered(pub, inbox, 1, "hive-06")
+
+    reconnects = sub.stats["reconnects"]
+    restart(broker)
+    wait_until(lambda: sub.stats["reconnects"] > reconnects, what="the subscriber to reconnect")
+    assert sub.wait_subscribed(15)
+    delivered(pub, inbox, 2, "hive-06")
+
+
+def test_resubscribing_a_resumed_session_does_not_replay_retained_messages(mosquitto, connect, faulty_link) -> None:
+    """MQTT 5 Retain Handling 1: a handler that opted out of de-duplication sees a retained state once."""
+    link = faulty_link(mosquitto.config)
+    pub = connect(mosquitto.config, "edge-hive-08")
+    birth = make(DeviceState(site=SITE, device="hive-08", status="birth", online=True, session=1), sender="edge-hive-08")
+    assert pub.publish(topics.state(SITE, "hive-08"), birth, retain=True, timeout=10)
+    states = Inbox()
+    cloud = connect(link.config, "cloud-fleet")
+    cloud.subscribe(topics.all_of("state"), states, dedup=False)
+    assert [e.id for e in states.wait(1)] == [birth.id]
+    # A publish acknowledged on the same link: the broker has our PUBACK of the birth (no QoS 1 redelivery).
+    assert cloud.publish(topics.event(SITE, "hive-08"), event(1, device="hive-08"), timeout=10)
+    link.drop()
+    granted_again(link)
+    update = make(DeviceState(site=SITE, device="hive-08", status="update", online=True, session=1),
+                  sender="edge-hive-08")
+    assert pub.publish(topics.state(SITE, "hive-08"), update, timeout=10)  # after any replay of this SUBSCRIBE
+    wait_until(lambda: update.id in [e.id for e in states.envs], what="the update")
+    assert cloud.protocol == "5" and [e.id for e in states.envs] == [birth.id, update.id]
+
+
+def test_subscribe_while_connected_outlasts_a_lost_subscribe_and_raises_on_refusal(broker, connect,
+                                                                                    faulty_link) -> None:
+    link = faulty_link(broker.config)
+    sub = connect(link.config, "edge-hive-07")
+    pub = connect(broker.config, "bridge-7")
+    inbox = Inbox()
+    link.arm(Fault("SUBSCRIBE", "cut_before"))
+    sub.subscribe(topics.event(SITE, "hive-07"), inbox, timeout=15)  # returns once the reconnect granted it
+    assert sub.subscribed and link.granted_on_latest() == 1
+    delivered(pub, inbox, 1, "hive-07")
+
+    link.arm(Fault("SUBACK", "refuse"))
+    with pytest.raises(TransportError, match="refused subscription to"):
+        sub.subscribe(topics.all_of("event"), Inbox())
+    assert sub.subscribed, "a subscription refused to its caller is forgotten, not retried"
 
 
 # ---------------------------------------------------------------------------- Mosquitto only
