@@ -125,6 +125,7 @@ class CloudService:
         s = self.settings
         state_topic = topics.state(topics.CLOUD_SITE, s.worker_id)
         self.transport = MqttTransport(s.mqtt, s.worker_id, persistent=s.persistent_session,
+                                       session_expiry_s=s.session_expiry_s,
                                        will=(state_topic, make(self._state("death"), sender=s.worker_id)))
         if s.record:
             self.recorder = Recorder(self.store, self.metrics)

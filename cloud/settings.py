@@ -6,7 +6,6 @@ runs on one laptop: loopback HTTP on 8000, SQLite under ``.apiary/``, the regist
 """
 from __future__ import annotations
 
-import os
 import socket
 from pathlib import Path
 from typing import Any, Literal
@@ -19,8 +18,11 @@ from shared.topics import DEFAULT_SHARE_GROUP
 
 
 def default_worker_id() -> str:
+    """``cloud-<host>``: the same in every process on a machine, so a restarted worker gets its broker session
+    (escalations queued while it was away) and its unfinished claims back. Give each worker on one machine
+    its own ``worker_id``: two processes with one id take the MQTT session from each other."""
     host = "".join(c if c.isalnum() or c in "_.-" else "-" for c in socket.gethostname())[:40] or "host"
-    return f"cloud-{host}-{os.getpid()}"
+    return f"cloud-{host}"
 
 
 class CloudSettings(BaseModel):
@@ -46,8 +48,12 @@ class CloudSettings(BaseModel):
     worker_concurrency: int = Field(default=32, ge=1)  # escalations in flight per worker
     claim_lease_s: float = Field(default=60.0, gt=0)  # another worker may take over an unfinished claim after this
     overload_retry_s: float = Field(default=10.0, ge=0)  # an escalation retries a full engine queue this long
-    # a persistent MQTT session keeps recording through restarts; it needs a stable worker_id
-    persistent_session: bool = False
+    # the broker keeps the worker's subscriptions and queues escalations while it is away (restart, crash);
+    # keyed by worker_id. To retire a worker for good, run it once with this off (its session ends)
+    persistent_session: bool = True
+    # ...for this long after it left (MQTT 5): the edge's escalation deadline, past which a queued request
+    # is answered "expired" anyway; a shared subscription keeps handing an absent member its share till then
+    session_expiry_s: int = Field(default=300, ge=0)
     record: bool = True  # run the fleet recorder (state, events, answers, OTA status)
     escalations: bool = True  # run the escalation worker
 

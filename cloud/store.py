@@ -34,6 +34,16 @@ class Claim:
     result: InferenceResult | None = None  # set when state == "answered"
 
 
+@dataclass(slots=True)
+class Unfinished:
+    """A claimed escalation not answered yet, with what its worker needs to take it up again after a restart."""
+
+    key: str
+    topic: str | None  # the escalation topic it arrived on (None: claimed by an older version)
+    envelope: bytes | None  # the encoded request envelope, as it arrived
+    received_at: float
+
+
 class Store(ABC):
     """What the recorder, the escalation worker and the operator API need from storage."""
 
@@ -90,15 +100,29 @@ class Store(ABC):
     # escalations
     @abstractmethod
     def claim_escalation(self, key: str, *, request_id: str, site: str, device: str, priority: int, reason: str,
-                         worker: str, lease_s: float, now: float | None = None) -> Claim:
-        """Take ``key`` for computing, or return its stored answer, or say another worker holds a live claim."""
+                         worker: str, lease_s: float, now: float | None = None, topic: str | None = None,
+                         envelope: bytes | None = None) -> Claim:
+        """Take ``key`` for computing, or return its stored answer, or say another worker holds a live claim.
+
+        The claim is durable before anything is computed and keeps ``topic`` and ``envelope``, so the
+        worker can resume it after a crash. A worker id is one process at a time (its fixed MQTT client
+        id): a pending claim under ``worker``'s own id is a dead predecessor's and is taken back at once."""
+
+    @abstractmethod
+    def renew_escalations(self, worker: str, *, now: float | None = None) -> int:
+        """Extend the lease of every pending claim of ``worker`` (it is still computing them); how many."""
+
+    @abstractmethod
+    def unfinished_escalations(self, worker: str) -> list[Unfinished]:
+        """``worker``'s pending claims, oldest first: what a restarted worker resumes."""
 
     @abstractmethod
     def finish_escalation(self, key: str, result: InferenceResult, *, finished_at: float | None = None) -> None: ...
 
     @abstractmethod
     def release_escalation(self, key: str) -> None:
-        """Drop an unfinished claim (e.g. shutdown mid-request) so a redelivery can be computed."""
+        """End an unfinished claim's lease (e.g. shutdown mid-request): any worker may take it over now, and
+        the same worker resumes it when it starts again."""
 
     @abstractmethod
     def escalations(self, limit: int = 50, *, site: str | None = None, outcome: str | None = None) -> list[dict[str, Any]]: ...
@@ -137,10 +161,12 @@ CREATE TABLE IF NOT EXISTS escalations (
     state TEXT NOT NULL,               -- 'pending' while a worker computes, 'done' once answered
     outcome TEXT,                      -- the result's status: ok | expired | error | rejected | deferred
     received_at REAL NOT NULL, claimed_at REAL NOT NULL, finished_at REAL, latency_ms REAL,
-    prompt_tokens INTEGER, completion_tokens INTEGER, result TEXT
+    prompt_tokens INTEGER, completion_tokens INTEGER, result TEXT,
+    topic TEXT, envelope BLOB          -- the request as it arrived, for resuming a claim after a restart
 );
 CREATE INDEX IF NOT EXISTS escalations_by_request ON escalations (site, device, request_id);
 CREATE INDEX IF NOT EXISTS escalations_by_time ON escalations (received_at);
+CREATE INDEX IF NOT EXISTS escalations_pending ON escalations (worker) WHERE state = 'pending';
 CREATE INDEX IF NOT EXISTS events_by_sensor_time ON events (site, device, timestamp);
 CREATE TABLE IF NOT EXISTS labels (
     envelope_id TEXT PRIMARY KEY,      -- the labelled event's
@@ -151,7 +177,9 @@ CREATE TABLE IF NOT EXISTS labels (
 CREATE INDEX IF NOT EXISTS labels_by_time ON labels (labelled_at);
 """
 # Every statement is IF NOT EXISTS and runs at each open, so a database made by an older
-# version gains the newer tables and indexes (labels) without losing anything.
+# version gains the newer tables and indexes (labels) without losing anything; newer columns
+# of existing tables are added by _COLUMNS.
+_COLUMNS = {"escalations": {"topic": "TEXT", "envelope": "BLOB"}}
 
 
 def _counts(state: DeviceState, session: int, status: str) -> bool:
@@ -183,9 +211,17 @@ class SqliteStore(Store):
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA busy_timeout=10000")
             self._db.executescript(_SCHEMA)
+            self._add_columns()
         except sqlite3.DatabaseError as e:
             raise CloudError(f"cannot open database {self.path}: {e}") from None
         self._lock = threading.Lock()
+
+    def _add_columns(self) -> None:
+        for table, columns in _COLUMNS.items():
+            have = {r["name"] for r in self._db.execute(f"PRAGMA table_info({table})")}
+            for name, kind in columns.items():
+                if name not in have:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
 
     @property
     def journal_mode(self) -> str:
@@ -352,7 +388,8 @@ class SqliteStore(Store):
 
     # ---- escalations -----------------------------------------------------------------------
     def claim_escalation(self, key: str, *, request_id: str, site: str, device: str, priority: int, reason: str,
-                         worker: str, lease_s: float, now: float | None = None) -> Claim:
+                         worker: str, lease_s: float, now: float | None = None, topic: str | None = None,
+                         envelope: bytes | None = None) -> Claim:
         now = now or time.time()
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
@@ -364,17 +401,18 @@ class SqliteStore(Store):
                 if row is not None and row["state"] == "done":
                     self._db.execute("COMMIT")
                     return Claim("answered", InferenceResult.model_validate_json(row["result"]))
-                if row is not None and now - row["claimed_at"] < lease_s:
+                if row is not None and row["worker"] != worker and now - row["claimed_at"] < lease_s:
                     self._db.execute("COMMIT")
                     return Claim("busy")
-                if row is not None:  # the claiming worker died or gave up: take over its lease
-                    self._db.execute("UPDATE escalations SET worker=?, claimed_at=? WHERE key=?",
-                                     (worker, now, row["key"]))
+                if row is not None:  # the claimer died or gave up (or is this worker's dead predecessor): take over
+                    self._db.execute("UPDATE escalations SET worker=?, claimed_at=?, topic=coalesce(topic, ?), "
+                                     "envelope=coalesce(envelope, ?) WHERE key=?",
+                                     (worker, now, topic, envelope, row["key"]))
                 else:
                     self._db.execute(
                         "INSERT INTO escalations (key, request_id, site, device, priority, reason, worker, state, "
-                        "received_at, claimed_at) VALUES (?,?,?,?,?,?,?,'pending',?,?)",
-                        (key, request_id, site, device, priority, reason, worker, now, now))
+                        "received_at, claimed_at, topic, envelope) VALUES (?,?,?,?,?,?,?,'pending',?,?,?,?)",
+                        (key, request_id, site, device, priority, reason, worker, now, now, topic, envelope))
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
@@ -389,8 +427,17 @@ class SqliteStore(Store):
             (result.status, now, result.latency_ms, result.prompt_tokens, result.completion_tokens,
              result.model_dump_json(), key, result.site, result.device, result.request_id))
 
+    def renew_escalations(self, worker: str, *, now: float | None = None) -> int:
+        return self._write("UPDATE escalations SET claimed_at=? WHERE worker=? AND state='pending'",
+                           (now or time.time(), worker))
+
+    def unfinished_escalations(self, worker: str) -> list[Unfinished]:
+        rows = self._query("SELECT key, topic, envelope, received_at FROM escalations "
+                           "WHERE worker=? AND state='pending' ORDER BY received_at, key", (worker,))
+        return [Unfinished(r["key"], r["topic"], r["envelope"], r["received_at"]) for r in rows]
+
     def release_escalation(self, key: str) -> None:
-        self._write("DELETE FROM escalations WHERE key=? AND state='pending'", (key,))
+        self._write("UPDATE escalations SET claimed_at=0 WHERE key=? AND state='pending'", (key,))
 
     def escalations(self, limit: int = 50, *, site: str | None = None, outcome: str | None = None) -> list[dict[str, Any]]:
         where, args = [], []

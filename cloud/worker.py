@@ -11,9 +11,10 @@ them. For every request the worker
    (``reply_to_refused``). The cloud may publish anywhere, so answering wherever a device
    asks would let it publish where the broker forbids it;
 1. claims it in the store, keyed by the envelope id (and the request id, for re-sends in
-   a new envelope): an already answered request gets its stored answer again, without
-   computing, whichever worker or restart sees it; a request another worker is still
-   computing is left to that worker;
+   a new envelope), durably and with the request itself before anything is computed: an
+   already answered request gets its stored answer again, without computing, whichever
+   worker or restart sees it; a request another worker is still computing is left to that
+   worker (which renews its lease while it computes, so a re-send is never run twice);
 2. answers ``expired`` without computing when its deadline has passed, and gives up the
    same way when the deadline passes while it is queued or running (the engine request is
    aborted, its KV blocks freed);
@@ -23,19 +24,26 @@ them. For every request the worker
    Schema and carries its confidence, scored by the edge's rule (``cloud.actions``);
 4. stores the result with its outcome and latency.
 
+At-least-once answering with exactly-once effect: a worker id is one process at a time (it
+is the MQTT client id, and the session is persistent), so at its first connect a worker
+takes up the claims its id left unfinished (killed or stopped mid-request) and answers
+them; the edge re-sends an unanswered escalation until its deadline, and the store turns
+every repeat into the stored answer or into one more reply of the computation in flight.
+
 MQTT handlers run on the network thread; the worker hands each request to its own
 asyncio loop thread and never blocks the network thread.
 """
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 from dataclasses import dataclass
 
 from shared import identity, topics
 from shared.logs import bind, get_logger
-from shared.protocol import Envelope, InferenceRequest, InferenceResult
+from shared.protocol import Envelope, InferenceRequest, InferenceResult, ProtocolError, decode, encode
 
 from cloud.actions import ActionOutcome, generate_action
 from cloud.metrics import Metrics
@@ -62,31 +70,41 @@ class EscalationWorker:
         self.metrics = metrics or Metrics()
         self.transport = None
         self.stats = {"received": 0, "computed": 0, "cached": 0, "busy": 0, "expired": 0, "errors": 0, "ignored": 0,
-                      "overload_retries": 0, "identity_mismatch": 0, "reply_to_refused": 0}
+                      "overload_retries": 0, "identity_mismatch": 0, "reply_to_refused": 0, "resumed": 0}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name=f"escalations-{config.worker_id}", daemon=True)
         self._inflight: dict[tuple[str, str, str], list[Envelope]] = {}  # (site, device, request id) -> waiters
         self._tasks: set[asyncio.Task] = set()
         self._semaphore: asyncio.Semaphore | None = None
+        self._renewer: asyncio.Task | None = None
         self._started = False
+        self._resumed = False
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self, transport) -> None:
-        """Start the loop thread and subscribe to the shared escalation filter on ``transport``."""
+        """Start the loop thread and subscribe to the shared escalation filter on ``transport``; once it is
+        connected, resume this worker id's unfinished claims."""
         self.transport = transport
         self._thread.start()
         self._started = True
+        transport.add_link_listener(self._on_link)
         # dedup=False: a store-and-forward retry re-sends the same envelope; the worker answers it again
         # (from SQLite or by joining the computation in flight), which the transport's id filter would prevent
         transport.subscribe(topics.escalations_shared(self.config.share_group), self.on_message, qos=1, dedup=False)
+        if transport.connected:
+            self._on_link(True)
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Cancel what is still running (its claims are released for redelivery) and stop the loop."""
+        """Cancel what is still running and stop the loop. The cancelled claims stay in the store with their
+        lease ended: another worker may take them over at once, and this worker id resumes them at its next
+        start."""
         if not self._started:
             return
         self._started = False
 
         async def cancel_all() -> None:
+            if self._renewer is not None:
+                self._renewer.cancel()
             for task in list(self._tasks):
                 task.cancel()
             if self._tasks:
@@ -99,9 +117,43 @@ class EscalationWorker:
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self._loop)
         self._semaphore = asyncio.Semaphore(self.config.concurrency)
+        self._renewer = self._loop.create_task(self._renew_leases())
         self._loop.run_forever()
         self._loop.run_until_complete(self._loop.shutdown_asyncgens())  # engine streams abort their requests
         self._loop.close()
+
+    def _on_link(self, up: bool) -> None:
+        """Network thread: at the first connect, hand the loop the claims a predecessor left unfinished."""
+        if up and self._started and not self._resumed:
+            self._resumed = True
+            asyncio.run_coroutine_threadsafe(self._resume(), self._loop)
+
+    async def _resume(self) -> None:
+        """Answer this worker id's pending claims: it was killed or stopped while computing them."""
+        for claim in await asyncio.to_thread(self.store.unfinished_escalations, self.config.worker_id):
+            try:
+                if claim.topic is None or claim.envelope is None:
+                    raise ProtocolError("claimed by an older version, without its request")
+                env = decode(claim.envelope, max_bytes=len(claim.envelope))
+            except ProtocolError as e:
+                _log.warning("cannot resume escalation %s (%s); the edge's re-send brings it back", claim.key, e)
+                await asyncio.to_thread(self.store.release_escalation, claim.key)
+                continue
+            self.stats["resumed"] += 1
+            _log.info("resuming escalation %s, left unfinished by this worker's previous run", claim.key)
+            self._spawn(claim.topic, env, claim.received_at)
+
+    async def _renew_leases(self) -> None:
+        """Hold this worker's claims while it computes them: a re-send that reaches another worker after
+        ``claim_lease_s`` is left to this one instead of being computed twice."""
+        while True:
+            await asyncio.sleep(self.config.claim_lease_s / 3)
+            if not self._inflight:
+                continue
+            try:
+                await asyncio.to_thread(self.store.renew_escalations, self.config.worker_id)
+            except Exception as e:  # the database went away for a moment: the next round tries again
+                _log.warning("could not renew escalation leases: %r", e)
 
     # ---- message path ---------------------------------------------------------------------------
     def on_message(self, topic: str, env: Envelope) -> None:
@@ -161,7 +213,8 @@ class EscalationWorker:
                 claim = await asyncio.to_thread(  # SQLite may wait on another process's write lock
                     self.store.claim_escalation, key, request_id=req.request_id, site=req.site, device=req.device,
                     priority=req.priority, reason=req.reason, worker=self.config.worker_id,
-                    lease_s=self.config.claim_lease_s, now=received_at)
+                    lease_s=self.config.claim_lease_s, now=time.time(), topic=topic,
+                    envelope=encode(env, max_bytes=sys.maxsize))
             except BaseException:
                 self._inflight.pop(ident, None)
                 raise

@@ -52,3 +52,16 @@ def test_speculative_settings(tmp_path):
         load_settings(None, speculative="sometimes")
     with pytest.raises(CloudError, match="neither an existing path"):
         load_settings(None, speculative="draft", draft_model="no-such-draft").speculative_config()
+
+
+def test_the_worker_keeps_one_identity_and_a_persistent_session_across_restarts(tmp_path):
+    """Resuming unfinished claims and the broker's queue for a worker that is away both need its id to be
+    the same in the next process."""
+    import subprocess
+    import sys
+
+    s = load_settings(None)
+    assert s.persistent_session is True and s.session_expiry_s == 300  # the edge's escalation deadline
+    code = "from cloud.settings import load_settings; print(load_settings(None).worker_id)"
+    again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert again.stdout.strip() == s.worker_id

@@ -104,8 +104,61 @@ def test_escalation_lease_takeover_and_release(store):
     # w1 died mid-request: after the lease another worker takes over
     assert store.claim_escalation("env-9", worker="w2", now=131.0, **claim).state == "claimed"
     assert store.escalations()[0]["worker"] == "w2"
+    # w2 stops mid-request: the claim stays (w2 resumes it when it is back) but its lease ends at once
     store.release_escalation("env-9")
-    assert store.escalations() == []
+    (row,) = store.escalations()
+    assert row["state"] == "pending" and row["worker"] == "w2"
+    assert store.claim_escalation("env-9", worker="w3", now=132.0, **claim).state == "claimed"
+
+
+def test_a_claim_keeps_its_request_and_the_same_worker_resumes_it_after_a_crash(store):
+    """A worker id is one process at a time (its fixed MQTT client id): a pending claim under its own id is a
+    dead predecessor's, so the restarted worker takes it back at once, lease or not, with the request it needs."""
+    claim = dict(request_id="r3", site="meadow", device="hive-1", priority=0, reason="", lease_s=30.0)
+    topic = "apiary/v1/meadow/hive-1/escalate"
+    assert store.claim_escalation("env-3", worker="w1", now=100.0, topic=topic, envelope=b"\x81request",
+                                  **claim).state == "claimed"
+    store.claim_escalation("env-4", worker="w2", now=100.0, topic=topic, envelope=b"other",
+                           **{**claim, "request_id": "r4"})
+    (unfinished,) = store.unfinished_escalations("w1")
+    assert (unfinished.key, unfinished.topic, unfinished.envelope, unfinished.received_at) == (
+        "env-3", topic, b"\x81request", 100.0)
+    assert store.claim_escalation("env-3", worker="w1", now=101.0, **claim).state == "claimed"  # within the lease
+    assert store.claim_escalation("env-3", worker="w2", now=102.0, **claim).state == "busy"
+    store.finish_escalation("env-3", result("r3"), finished_at=103.0)
+    assert store.unfinished_escalations("w1") == []
+    assert [u.key for u in store.unfinished_escalations("w2")] == ["env-4"]
+
+
+def test_a_worker_renews_its_leases_while_it_computes(store):
+    """A long computation keeps its claim: a re-send reaching another worker after claim_lease_s is not run twice."""
+    claim = dict(request_id="r5", site="meadow", device="hive-1", priority=0, reason="", lease_s=30.0)
+    assert store.claim_escalation("env-5", worker="w1", now=100.0, **claim).state == "claimed"
+    assert store.renew_escalations("w1", now=125.0) == 1
+    assert store.claim_escalation("env-5", worker="w2", now=131.0, **claim).state == "busy"
+    assert store.renew_escalations("w2", now=140.0) == 0
+    assert store.claim_escalation("env-5", worker="w2", now=156.0, **claim).state == "claimed"
+
+
+def test_an_older_database_gains_the_claim_columns(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "old.db"
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE escalations (key TEXT PRIMARY KEY, request_id TEXT NOT NULL, site TEXT NOT NULL, "
+               "device TEXT NOT NULL, priority INTEGER NOT NULL, reason TEXT NOT NULL, worker TEXT NOT NULL, "
+               "state TEXT NOT NULL, outcome TEXT, received_at REAL NOT NULL, claimed_at REAL NOT NULL, "
+               "finished_at REAL, latency_ms REAL, prompt_tokens INTEGER, completion_tokens INTEGER, result TEXT)")
+    db.execute("INSERT INTO escalations (key, request_id, site, device, priority, reason, worker, state, "
+               "received_at, claimed_at) VALUES ('old', 'r0', 's', 'd', 0, '', 'w1', 'pending', 1.0, 1.0)")
+    db.commit()
+    db.close()
+    store = SqliteStore(path)
+    try:
+        (old,) = store.unfinished_escalations("w1")
+        assert old.key == "old" and old.envelope is None and old.topic is None
+    finally:
+        store.close()
 
 
 def test_concurrent_claims_across_connections(tmp_path):
