@@ -12,7 +12,9 @@ Threads and why:
   marking the event done.
 * **flusher** sends the outbox. It sleeps until something is queued or the link comes
   back (the transport's link listener), never on a polling timer; the only timed
-  wake-ups are escalation deadlines (fall back to the local draft) and telemetry.
+  wake-ups are escalation re-sends (``edge.resend``: an unanswered escalation goes out
+  again until its deadline, even while the link stays up), escalation deadlines (fall
+  back to the local draft) and telemetry.
 
 Identity comes from the topic (``shared.identity``): an event or a reply whose body names
 another site or device than the topic it arrived on is dropped, counted (``foreign_events``,
@@ -30,6 +32,7 @@ from pathlib import Path
 
 from edge.errors import EdgeError
 from edge.model import LocalModel
+from edge.resend import ResendSchedule
 from edge.responder import Outcome, Responder
 from edge.settings import EdgeSettings
 from edge.store import DeviceStore, OutboxItem
@@ -93,7 +96,7 @@ class EdgeAgent:
         self._wake_flush = threading.Event()
         self._link_gen = 0  # bumped on every (re)connect
         self._born_gen = -1  # the link generation our last birth certificate was published in
-        self._sent_gen: dict[str, int] = {}  # escalation id -> link generation it was last sent in
+        self._resend = ResendSchedule(settings.escalation_resend_s)  # when each escalation goes out again
         self._last_state = 0.0
         self._threads: list[threading.Thread] = []
 
@@ -198,7 +201,7 @@ class EdgeAgent:
         answer = self._answer_item(final, item.event_id, item.priority)
         counter = "answered_cloud" if final.tier == "cloud" else "answered_fallback"
         if self.store.resolve(item.id, answer, counter=counter):
-            self._sent_gen.pop(item.id, None)
+            self._resend.forget(item.id)
             self._count_answer(final)
             self._wake_flush.set()
         else:
@@ -318,6 +321,11 @@ class EdgeAgent:
             waits.append(deadline + self.settings.escalation_grace_s - time.time())
         if self.transport.connected:
             waits.append(self._last_state + self.settings.state_interval_s - time.monotonic())
+            now = time.time()
+            resend = self._resend.wait((i.id for i in self.store.pending("escalation")
+                                        if i.deadline is None or now <= i.deadline), time.monotonic())
+            if resend is not None:
+                waits.append(resend)
         return max(0.05, min(waits)) if waits else None
 
     def _flush_once(self) -> bool:
@@ -331,7 +339,8 @@ class EdgeAgent:
             if self._stop.is_set() or not self.transport.connected:
                 return False
             if item.kind == "escalation":
-                if self._sent_gen.get(item.id) == gen or (item.deadline is not None and time.time() > item.deadline):
+                if (item.deadline is not None and time.time() > item.deadline) or not self._resend.due(
+                        item.id, gen, time.monotonic()):
                     continue
             env = decode(item.payload)
             if not self.transport.publish(item.topic, env, qos=1, timeout=self.settings.ack_timeout_s):
@@ -341,7 +350,7 @@ class EdgeAgent:
                 self.store.bump("answers_sent")
             else:
                 self.store.sent(item.id)
-                self._sent_gen[item.id] = gen
+                self._resend.sent(item.id, gen, time.monotonic())
                 self.store.bump("escalations_sent")
         return False
 
@@ -356,7 +365,7 @@ class EdgeAgent:
                                                 f"within {self.settings.escalation_deadline_s:.0f} s"})
             if self.store.resolve(item.id, self._answer_item(final, item.event_id, item.priority),
                                   counter="answered_fallback"):
-                self._sent_gen.pop(item.id, None)
+                self._resend.forget(item.id)
                 self._count_answer(final)
 
     # ------------------------------------------------------------------ birth / death / telemetry

@@ -103,6 +103,9 @@ class EdgeSettings(_Section):
     state_interval_s: float = Field(default=60.0, gt=0)  # telemetry update at most this often
     policy: PolicySettings = Field(default_factory=PolicySettings)
     power: PowerProfile = Field(default_factory=PowerProfile)
+    # an unanswered escalation goes out again after this (doubling up to 8x) until its deadline, not
+    # only after a reconnect: the cloud may lose one while this link stays up (edge.resend)
+    escalation_resend_s: float = Field(default=30.0, gt=0)
 
     @field_validator("prompt_style")
     @classmethod

@@ -39,7 +39,7 @@ def fast(config: MqttConfig) -> MqttConfig:
 class FakeCloud:
     """Answers each escalation once per envelope id (a resend gets the same cached answer)."""
 
-    def __init__(self, config: MqttConfig, name: str = "fake-cloud") -> None:
+    def __init__(self, config: MqttConfig, name: str = "fake-cloud", *, dedup: bool = True) -> None:
         self.seen: collections.Counter[str] = collections.Counter()
         self.requests: dict[str, InferenceRequest] = {}
         self._cache: dict[str, InferenceResult] = {}
@@ -47,7 +47,7 @@ class FakeCloud:
         self.transport = MqttTransport(config, name, persistent=True)
         # A plain filter, not topics.escalations_shared(): Mosquitto 2.0.11 does not restore a persistent
         # session's shared subscriptions after a broker restart (reported to the transport room).
-        self.transport.subscribe(topics.all_of("escalate"), self._on_request)
+        self.transport.subscribe(topics.all_of("escalate"), self._on_request, dedup=dedup)
 
     def start(self) -> "FakeCloud":
         self.transport.start()
@@ -69,6 +69,21 @@ class FakeCloud:
 
     def stop(self) -> None:
         self.transport.stop()
+
+
+class ForgetfulCloud(FakeCloud):
+    """Loses the first copy of every escalation, as a cloud killed right after the broker delivered it."""
+
+    def __init__(self, config: MqttConfig) -> None:
+        super().__init__(config, "forgetful-cloud", dedup=False)  # sees re-sends (one envelope id), as the worker
+        self.arrived: collections.Counter[str] = collections.Counter()
+
+    def _on_request(self, topic: str, env: Envelope) -> None:
+        with self._lock:
+            self.arrived[env.id] += 1
+            if self.arrived[env.id] == 1:
+                return
+        super()._on_request(topic, env)
 
 
 class Observer:
@@ -379,6 +394,32 @@ def test_large_valid_events_in_the_context_never_leave_an_event_without_an_answe
         counters = agent.store.counters()
         assert counters["escalations_trimmed"] == 1 and counters["answered_cloud"] == 1
         assert "event_errors" not in counters and counters["routine_logged"] == 2
+    finally:
+        agent.stop()
+        bridge.stop()
+        for t in (observer.transport, cloud.transport):
+            t.stop()
+
+
+def test_an_unanswered_escalation_is_re_sent_on_a_timer_while_the_link_stays_up(mosquitto, tmp_path: Path) -> None:
+    """Not only after a reconnect: the same envelope (same id, same request id) goes out again until answered."""
+    config = fast(mosquitto.config)
+    cloud = ForgetfulCloud(config).start()
+    observer = Observer(config)
+    bridge = Bridge(config)
+    settings = EdgeSettings(threads=1, state_dir=str(tmp_path / "state"), escalation_deadline_s=600.0,
+                            escalation_resend_s=0.2)
+    agent = EdgeAgent(settings, site=SITE, device=DEVICE, mqtt=config, model=RecordingModel()).start()
+    try:
+        bridge.send(reading(1, severity=Severity.CRITICAL, flags=("hive_temp_c_high",), hive_temp_c=40.5))
+        (answer,) = observer.answers.wait(1, timeout=60)
+        assert answer.body.event_seq == 1 and answer.body.tier == "cloud"
+        (env_id,) = cloud.arrived  # one envelope id, however often it came
+        assert cloud.arrived[env_id] >= 2 and len({r.request_id for r in cloud.requests.values()}) == 1
+        assert agent.transport.stats["reconnects"] == 0
+        counters = agent.store.counters()
+        assert counters["answered_cloud"] == 1 and counters["escalations_sent"] >= 2
+        wait_until(lambda: agent.store.count() == 0, 20, "an empty outbox")
     finally:
         agent.stop()
         bridge.stop()
