@@ -13,6 +13,9 @@ so there is exactly one copy of them. In order, as vLLM applies them:
 3. ``probs``: top-k, top-p, min-p truncation, softmax.
 4. ``draw``: the exponential race (argmax of p / E, E ~ Exp(1)) draws from p exactly, each row
    with its own generator, so a seeded request samples the same tokens whatever its batch.
+   Every sampled token consumes exactly one ``race_noise`` (V exponentials) from its request's
+   generator, in order, on every path: speculative verification replays the race position by
+   position (``spec/rejection.py``), so speculation never changes a seeded request's tokens.
 
 Reported logprobs come from the distribution after step 2 and before step 3 (vLLM's
 "processed logprobs"): with a grammar, the chosen token's probability among the tokens the
@@ -193,12 +196,22 @@ def sampling_probs(logits: torch.Tensor, params: Seq[SamplingParams]) -> torch.T
 # ------------------------------------------------------------------ 4. the draw
 
 
+def race_noise(vocab: int, generator: torch.Generator) -> torch.Tensor:
+    """One position's Exp(1) noise ``[V]`` from a request's generator: what one sampled token costs its
+    random stream, on the plain and the speculative path alike."""
+    return torch.empty(vocab, dtype=torch.float32).exponential_(generator=generator)
+
+
+def race(p: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The winners of the exponential race, argmax of p / E over the last dim: an exact draw from p."""
+    return (p.float().cpu() / noise.clamp(min=1e-30)).argmax(dim=-1).to(p.device)
+
+
 def draw(p: torch.Tensor, generators: Seq[torch.Generator]) -> torch.Tensor:
     """One token per row of ``p`` ``[N, V]``, row i with its own generator (exponential race: exact)."""
-    noise = torch.empty(p.shape, dtype=torch.float32)
-    for row, g in enumerate(generators):
-        noise[row].exponential_(generator=g)
-    return (p.float().cpu() / noise.clamp_(min=1e-30)).argmax(dim=-1).to(p.device)
+    vocab = p.shape[-1]
+    noise = torch.stack([race_noise(vocab, g) for g in generators]) if len(generators) else torch.empty(0, vocab)
+    return race(p, noise)
 
 
 def choose(processed: torch.Tensor, params: Seq[SamplingParams], generators: Seq[torch.Generator]) -> torch.Tensor:

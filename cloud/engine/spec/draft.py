@@ -152,6 +152,9 @@ class DraftProposer:
         if sampled and k_max:
             probs = torch.zeros(len(seqs), k_max, self.model.config.vocab_size, device=self.model.device)
         active = [i for i in range(len(seqs)) if ks[i] > 0]
+        # A seeded row is verified by replaying plain decoding's draws (spec/rejection.py): it proposes with
+        # the very noise the target will draw at each position, read ahead and then rewound.
+        rewind = {i: generators[i].get_state() for i in sampled if seqs[i].params.seed is not None}
         admitted = 0  # prompt tokens of sequences new to the draft this step
         for step in range(k_max):
             entries, rows = [], []
@@ -198,4 +201,6 @@ class DraftProposer:
                     self.bm.commit(shadow)
             for i, tok in zip(rows, chosen.tolist()):
                 tokens[i].append(tok)
+        for i, state in rewind.items():
+            generators[i].set_state(state)
         return DraftProposal(tokens, probs)

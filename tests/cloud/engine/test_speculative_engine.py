@@ -78,27 +78,56 @@ def exact_pair_distribution(engine: LLMEngine, prompt: list[int], params: Sampli
     return joint.flatten()
 
 
-def sample_pairs(engine: LLMEngine, n: int, seed0: int) -> torch.Tensor:
-    params = [SamplingParams(**SAMPLED, seed=seed0 + i) for i in range(n)]
+def sample_pairs(engine: LLMEngine, n: int, seed0: int, seeded: bool = True) -> torch.Tensor:
+    """(t2, t3) counts of ``n`` requests: seeded ``seed0 + i``, or unseeded (the engine's own generator)."""
+    params = [SamplingParams(**SAMPLED, seed=seed0 + i if seeded else None) for i in range(n)]
     outs = engine.generate([PROMPT] * n, params)
     pairs = torch.tensor([o.output_token_ids[1] * VOCAB + o.output_token_ids[2] for o in outs])
     return torch.bincount(pairs, minlength=VOCAB * VOCAB)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("method", ["draft", "ngram"])
-def test_sampled_tokens_follow_the_target_distribution(tiny_vocab: Path, method: str, monkeypatch) -> None:
+@pytest.mark.parametrize("method,seeded", [("draft", True), ("draft", False), ("ngram", True)])
+def test_sampled_tokens_follow_the_target_distribution(tiny_vocab: Path, method: str, seeded: bool,
+                                                       monkeypatch) -> None:
+    """Seeded rows replay plain decoding; unseeded draft-model rows go through rejection sampling."""
     spec = SpeculativeConfig(method=method, k=2, adaptive=False, max_batch=4096, ngram_min=1, ngram_max=2,
                              draft_num_layers=1 if method == "draft" else None)
     engine = tiny_engine(tiny_vocab, spec)
     exact = exact_pair_distribution(engine, PROMPT, SamplingParams(**SAMPLED))
-    counts = sample_pairs(engine, 3000, 0)
+    counts = sample_pairs(engine, 3000, 0, seeded)
     m = engine.metrics()
     assert m[f"spec_{method}_proposed"] > 2000 and 0 < m[f"spec_{method}_accepted"] < m[f"spec_{method}_proposed"]
     assert chi_square_pvalue(counts, exact) > 1e-3
-    if method == "draft":  # the same test must catch a verifier that resamples from p instead of max(0, p - q)
-        monkeypatch.setattr(rejection, "residual_probs", lambda p, q, x: p)
-        assert chi_square_pvalue(sample_pairs(engine, 3000, 10_000), exact) < 1e-6
+    if not seeded:  # the same test must catch a verifier that resamples from p instead of max(0, p - q)
+        monkeypatch.setattr(rejection, "residual_probs", lambda p, q: p)
+        assert chi_square_pvalue(sample_pairs(engine, 3000, 10_000, seeded), exact) < 1e-6
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_seeded_sampling_gives_the_same_tokens_with_speculation_on_or_off_in_any_batch(tiny_vocab: Path,
+                                                                                      method: str) -> None:
+    """Temperature 0.7 and 1.0, two seeds each: plain decoding's tokens alone, with speculation at two k,
+    and in a batch among unseeded, greedy and other seeded requests (in another order)."""
+    sampled = [SamplingParams(temperature=t, seed=s, max_tokens=16, ignore_eos=True)
+               for t in (0.7, 1.0) for s in (11, 12)]
+    plain = tiny_engine(tiny_vocab, None)
+    reference = [plain.generate([PROMPT], [p])[0].output_token_ids for p in sampled]
+    assert len({tuple(r) for r in reference}) == len(reference)  # the seeds (and temperatures) matter
+    others = [SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True), SamplingParams(max_tokens=9),
+              SamplingParams(temperature=0.7, seed=99, max_tokens=5, ignore_eos=True)]
+    for k in (2, 4):
+        spec = SpeculativeConfig(method=method, k=k, adaptive=False, max_batch=4096, ngram_min=1, ngram_max=2,
+                                 draft_num_layers=1 if method == "draft" else None)
+        engine = tiny_engine(tiny_vocab, spec)
+        assert [run(engine, [PROMPT], p, True)[0] for p in sampled] == reference
+        m = engine.metrics()
+        assert 0 < m[f"spec_{method}_accepted"] < m[f"spec_{method}_proposed"]  # drafts kept and drafts refused
+        assert [run(engine, [PROMPT], p, False)[0] for p in sampled] == reference
+        mixed = others[:2] + sampled[::-1] + others[2:]
+        outs = engine.generate([[1, 2, 1, 2], PROMPT] + [PROMPT] * len(sampled) + [[3, 4]], mixed)
+        assert [o.output_token_ids for o in outs[2:2 + len(sampled)]] == reference[::-1]
 
 
 # ---------------------------------------------------------------- greedy equality on the engine's tiny Llama

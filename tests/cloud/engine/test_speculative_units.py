@@ -76,13 +76,41 @@ def test_rejection_sampling_first_token_follows_target(point_mass: bool) -> None
     assert chi_square_pvalue(counts, p[0]) > 1e-3
 
 
-@pytest.mark.parametrize("point_mass", [False, True])
-def test_chi_square_catches_a_verifier_that_skips_the_residual(point_mass: bool, monkeypatch) -> None:
+def test_chi_square_catches_a_verifier_that_skips_the_residual(monkeypatch) -> None:
     """The same test must fail for the classic bug: resampling from p instead of max(0, p - q)."""
     p, q = _dists(1)
-    monkeypatch.setattr(rejection, "residual_probs", lambda p, q, x: p)
-    counts = _first_token_counts(p, None if point_mass else q, k=2, n=12_000, seed=3)
+    monkeypatch.setattr(rejection, "residual_probs", lambda p, q: p)
+    counts = _first_token_counts(p, q, k=2, n=12_000, seed=3)
     assert chi_square_pvalue(counts, p[0]) < 1e-6
+
+
+@pytest.mark.parametrize("proposal", ["point_mass", "draft_seeded"])
+def test_replay_emits_plain_decodings_tokens_and_random_stream(proposal: str) -> None:
+    """n-gram proposals and seeded rows: the tokens plain decoding draws from the same seed, kept while the
+    drafts agree, and the generator left where plain decoding leaves it (one race per emitted token)."""
+    from cloud.engine.sampling import draw, race_noise
+
+    k = 3
+    p = torch.softmax(torch.randn(k + 1, VOCAB, generator=torch.Generator().manual_seed(4)), -1)
+    q = torch.softmax(torch.randn(k, VOCAB, generator=torch.Generator().manual_seed(5)), -1)
+    pick = random.Random(0)
+    kept = set()
+    for seed in range(300):
+        plain_g = torch.Generator().manual_seed(seed)
+        plain = [int(draw(p[j][None], [plain_g])) for j in range(k + 1)]
+        drafts = [t if pick.random() < 0.6 else pick.randrange(VOCAB) for t in plain[:k]]
+        g = torch.Generator().manual_seed(seed)
+        params = SamplingParams(temperature=1.0, seed=seed if proposal == "draft_seeded" else None)
+        verdict = verify(p.log()[None], torch.tensor([drafts]), torch.tensor([k]),
+                         None if proposal == "point_mass" else q[None], [params], [g])[0]
+        n = next((j for j in range(k) if drafts[j] != plain[j]), k)
+        assert (verdict.tokens, verdict.num_accepted) == (plain[:n + 1], n)
+        kept.add(n)
+        reference = torch.Generator().manual_seed(seed)
+        for _ in range(n + 1):
+            race_noise(VOCAB, reference)
+        assert torch.equal(g.get_state(), reference.get_state())
+    assert kept == set(range(k + 1))  # every outcome, from an immediate disagreement to the bonus token
 
 
 def test_chi_square_catches_an_over_eager_acceptance(monkeypatch) -> None:
@@ -125,7 +153,7 @@ def test_zero_proposals_emit_one_target_token() -> None:
 
 def test_residual_of_identical_distributions_falls_back_to_p() -> None:
     p = torch.softmax(torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(7)), -1)
-    res = rejection.residual_probs(p, p.clone(), torch.tensor([0, 1]))
+    res = rejection.residual_probs(p, p.clone())
     assert torch.allclose(res, p)
 
 
