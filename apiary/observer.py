@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from edge.policy import rule_of
 from shared import topics
 from shared.config import MqttConfig
 from shared.protocol import DeviceState, Envelope, InferenceRequest, InferenceResult, SensorEvent
@@ -31,6 +32,32 @@ class EventRecord:
     answer: InferenceResult | None = None
     answered_at: float | None = None
     answers: int = 0  # more than one would be a double answer
+
+
+def anomaly_runs(records: list[EventRecord]) -> list[list[EventRecord]]:
+    """The injected anomalies among ``records``: each a run of one device's consecutive events (by seq)
+    with the same ground-truth label other than normal. One anomaly lasts many sensor frames."""
+    by_device: dict[tuple[str, str], list[EventRecord]] = {}
+    for r in records:
+        if r.event.truth and r.event.truth != "normal":
+            by_device.setdefault((r.event.site, r.event.device), []).append(r)
+    runs: list[list[EventRecord]] = []
+    for device_records in by_device.values():
+        device_records.sort(key=lambda r: r.event.seq)
+        run = [device_records[0]]
+        for prev, r in zip(device_records, device_records[1:]):
+            if r.event.seq == prev.event.seq + 1 and r.event.truth == prev.event.truth:
+                run.append(r)
+            else:
+                runs.append(run)
+                run = [r]
+        runs.append(run)
+    return runs
+
+
+def names_the_truth(r: EventRecord) -> bool:
+    """The event's answer assessed it as what the simulator injected."""
+    return r.answer is not None and bool(r.answer.action) and r.answer.action.get("assessment") == r.event.truth
 
 
 @dataclass(slots=True)
@@ -104,8 +131,8 @@ class MeshObserver:
         if isinstance(req, InferenceRequest):
             with self._lock:
                 self.escalations += 1
-                for reason in (req.reason or "unspecified").split(","):
-                    self.escalation_reasons[reason.strip()] += 1
+                for reason in (req.reason or "unspecified").split("; "):  # as edge.responder joins them
+                    self.escalation_reasons[rule_of(reason)] += 1
 
     def _on_state(self, topic: str, env: Envelope) -> None:
         st = env.body
@@ -139,11 +166,8 @@ class MeshObserver:
             by_tier[r.answer.tier] += 1
             by_status[r.answer.status] += 1
             lat[r.answer.tier].append((r.answered_at - r.published_at) * 1000.0)
-        injected = [r for r in records if r.event.truth and r.event.truth != "normal"]
-        caught = [r for r in injected if r.answer is not None and r.answer.action
-                  and r.answer.action.get("assessment") not in (None, "normal")]
-        exact = [r for r in injected if r.answer is not None and r.answer.action
-                 and r.answer.action.get("assessment") == r.event.truth]
+        anomalies = anomaly_runs(records)
+        anomaly_events = [r for run in anomalies for r in run]
         needing = [r for r in records if r.event.severity != "info" or r.event.flags or r.event.kind == "question"]
         # Against the simulator's ground truth: each tier's answers whose assessment names the event's label.
         graded: dict[str, list[int]] = {}
@@ -169,9 +193,10 @@ class MeshObserver:
             "escalations": escalations,
             "escalation_reasons": reasons,
             "latency_ms": {t: {"p50": pct(v, 50), "p99": pct(v, 99), "n": len(v)} for t, v in lat.items()},
-            "anomalies_injected": len(injected),
-            "anomalies_caught": len(caught),
-            "anomalies_exact": len(exact),
+            "anomalies_injected": len(anomalies),
+            "anomalies_caught": sum(1 for run in anomalies if any(names_the_truth(r) for r in run)),
+            "anomaly_events": len(anomaly_events),
+            "anomalies_exact": sum(1 for r in anomaly_events if names_the_truth(r)),  # events named exactly
             "accuracy_by_tier": {t: {"right": a, "graded": n, "accuracy": a / n} for t, (a, n) in sorted(graded.items())},
             "cloud_tokens": sum(r.answer.prompt_tokens + r.answer.completion_tokens for r in answered
                                 if r.answer.tier == "cloud"),

@@ -18,10 +18,23 @@ Two questions are asked in order:
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from edge.settings import PolicySettings
 from shared.protocol import SensorEvent, Severity
+
+
+_CRITICAL = re.compile(r"(severity|kind|flag) .+ is critical")
+
+
+def rule_of(reason: str) -> str:
+    """The rule behind one reason the policy gives, without its values: "low confidence" for "low
+    confidence: p10 logprob -2.31 < -1.50", "critical flag" for "flag swarm_risk is critical". Reasons
+    are counted by rule; their values differ at every event."""
+    head = reason.split(":", 1)[0].strip()
+    critical = _CRITICAL.fullmatch(head)
+    return f"critical {critical.group(1)}" if critical else head or "unspecified"
 
 
 @dataclass(frozen=True, slots=True)
