@@ -1,7 +1,6 @@
 """`apiary demo`: the whole mesh on one machine with a live view, then a summary, a chart and JSON."""
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from pathlib import Path
@@ -27,11 +26,10 @@ def demo(
 ) -> None:
     """Run broker, cloud, edge agents, bridge and simulator with injected anomalies; Ctrl-C stops."""
     from rich.console import Console
-    from rich.live import Live
 
     from apiary.chart import save_chart
     from apiary.mesh import Mesh, MeshError, MeshOptions
-    from apiary.view import render
+    from apiary.view import DemoView, show_connect
     from shared.logs import configure
 
     configure(level="WARNING", fmt="text")
@@ -43,23 +41,11 @@ def demo(
     try:
         with console.status("starting the mesh…") as status:
             mesh.start(on_step=lambda text: status.update(f"starting the mesh… {text}"))
-        console.print(f"[bold]REST API[/bold] {mesh.cloud_url}   [bold]API key[/bold] {mesh.api_key}")
-        console.print(f"  try: curl -H 'Authorization: Bearer {mesh.api_key}' {mesh.cloud_url}/v1/fleet/devices")
-        console.print(f"[bold]broker[/bold] {mesh.mqtt.url}   [bold]logs[/bold] {mesh.supervisor.log_dir}")
+        show_connect(console, run_dir, mesh.cloud_url, mesh.api_key, mesh.mqtt.url, mesh.supervisor.log_dir)
         end = time.monotonic() + duration
-        last_line = 0.0
-        with Live(render(mesh.observer.snapshot()), console=console, auto_refresh=False,
-                  transient=False) if live else contextlib.nullcontext() as view:
+        with DemoView(console, live=live) as view:
             def refresh(title: str) -> None:
-                nonlocal last_line
-                if live:
-                    view.update(render(mesh.observer.snapshot(), mesh.engine_metrics(), title=title), refresh=True)
-                elif time.monotonic() - last_line >= 10.0:  # plain progress lines for logs and CI
-                    last_line = time.monotonic()
-                    s = mesh.observer.snapshot()
-                    console.print(f"{title}: events {s['events']}, answered {s['answered']}/"
-                                  f"{s['events_needing_answer']} {s['answers_by_tier']}, "
-                                  f"escalations {s['escalations']}")
+                view.update(mesh.observer.snapshot(), mesh.engine_metrics(), title)
 
             try:
                 while time.monotonic() < end:
@@ -111,8 +97,8 @@ def _print_summary(console, s: dict) -> None:
         ("double answers", s["double_answers"]),
         ("edge latency p50 / p99 (ms)", f"{_f(lat['edge']['p50'])} / {_f(lat['edge']['p99'])}"),
         ("cloud latency p50 / p99 (ms)", f"{_f(lat['cloud']['p50'])} / {_f(lat['cloud']['p99'])}"),
-        ("anomalies caught / injected events", f"{s['anomalies_caught']} / {s['anomalies_injected']}"),
-        ("anomalies named exactly", s["anomalies_exact"]),
+        ("anomalies caught / injected", f"{s['anomalies_caught']} / {s['anomalies_injected']}"),
+        ("anomaly events named exactly", s["anomalies_exact"]),
         *((f"{tier} answers right (ground truth)", f"{a['right']} / {a['graded']} ({a['accuracy']:.0%})")
           for tier, a in s["accuracy_by_tier"].items()),
         ("cloud tokens", s["cloud_tokens"]),
