@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from cloud.errors import CloudError
 from shared.config import ConfigError, MqttConfig, load_section
+from shared.model_ids import aliases, model_id
 from shared.topics import DEFAULT_SHARE_GROUP
 
 
@@ -62,7 +63,8 @@ class CloudSettings(BaseModel):
     # a LoRA adapter merged into the model at load (apiary finetune), the task-tuned teacher: a folder, a
     # shipped name (shared.assets.SHIPPED), "none", or "auto" = the shipped teacher when `model` is its base
     adapter: str = "auto"
-    served_model_name: str | None = None  # the id clients send as "model"; default: derived from `model`
+    # the id clients send as "model"; default: the registry name, also when `model` is that model's file
+    served_model_name: str | None = None
     device: str = "cpu"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     kv_cache_mb: int = Field(default=512, ge=1)
@@ -104,12 +106,13 @@ class CloudSettings(BaseModel):
 
     @property
     def model_name(self) -> str:
-        if self.served_model_name:
-            return self.served_model_name
-        name = Path(self.model).name
-        for suffix in (".gguf", ".safetensors"):
-            name = name.removesuffix(suffix)
-        return name or "apiary"
+        """The id clients send as ``model``: ``served_model_name``, else the model's one id (shared.model_ids)."""
+        return self.served_model_name or model_id(self.model)
+
+    @property
+    def model_aliases(self) -> frozenset[str]:
+        """Other names a request may give for the model (its id and file names), served rather than a 404."""
+        return (aliases(self.model) | {model_id(self.model)}) - {self.model_name}
 
     def speculative_config(self) -> Any:
         """The engine's SpeculativeConfig for these settings (None when off)."""

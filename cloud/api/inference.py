@@ -102,9 +102,10 @@ async def unless_disconnected(request: Request, awaitable: Any, poll_s: float = 
 # ---------------------------------------------------------------- request -> engine parameters
 
 
-def _check_model(ctx, body: _Request) -> None:
-    if body.model is not None and body.model != ctx.model_name:
-        raise HTTPException(404, f"model {body.model!r} not found; this server serves {ctx.model_name!r}")
+def _check_model(ctx, name: str | None) -> None:
+    """404 unless ``name`` is the served model: its id or an alias (its file name), so either is served."""
+    if name is not None and name != ctx.model_name and name not in ctx.settings.model_aliases:
+        raise HTTPException(404, f"model {name!r} not found; this server serves {ctx.model_name!r}")
 
 
 def _max_tokens(ctx, body: _Request, prompt_len: int, chat: bool) -> int:
@@ -277,7 +278,7 @@ async def _start(request: Request, body: _Request, *, kind: str, prompt: Any = N
     from cloud.engine import RequestRejected
 
     ctx = request.app.state.ctx
-    _check_model(ctx, body)
+    _check_model(ctx, body.model)
     _refuse_unsupported(body)
     prompt_ids = await asyncio.to_thread(ctx.engine.prompt_token_ids, prompt=prompt, messages=messages)
     structured = _structured(body)
@@ -440,8 +441,7 @@ async def models(request: Request) -> ModelList:
             summary="One model")
 async def model(request: Request, model_id: str) -> ModelCard:
     ctx = request.app.state.ctx
-    if model_id != ctx.model_name:
-        raise HTTPException(404, f"model {model_id!r} not found; this server serves {ctx.model_name!r}")
+    _check_model(ctx, model_id)
     return _card(ctx)
 
 

@@ -12,6 +12,7 @@ import jsonschema
 import pydantic
 import pytest
 
+from shared.assets import REGISTRY
 from tests.cloud.conftest import MODEL_NAME
 from tests.cloud.test_api import COUNTING, client, server, wait_for  # noqa: F401 (server is a fixture)
 
@@ -20,6 +21,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 QUESTION = [{"role": "user", "content": "What do bees make?"}]
 POEM = [{"role": "user", "content": "Write a short poem about bees."}]
 YES_NO = [{"role": "user", "content": "Reply with one word: yes or no. Is honey sweet?"}]  # greedy: 'No.' + end
+MODEL_ID = "smollm2-135m-q4"  # the registry name: the id everywhere
+MODEL_FILE = REGISTRY[MODEL_ID].filename
 HIVE_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "frames": {"type": "integer"}},
                "required": ["name", "frames"], "additionalProperties": False}
 
@@ -316,6 +319,22 @@ def test_models_list_and_retrieve(oa, cloud_engine):
     assert oa.models.retrieve(MODEL_NAME).id == MODEL_NAME
     with pytest.raises(openai.NotFoundError):
         oa.models.retrieve("gpt-4")
+
+
+def test_one_model_id_and_the_file_name_as_alias(make_service, keys, idle_engine):
+    """Without served_model_name the registry model is served under its registry name (what `apiary models
+    list`, the demo and the README say), and a request naming its file, with or without .gguf, is served."""
+    import openai
+
+    service = make_service(served_model_name=None)  # the model given as the cached file's path, as the demo does
+    oa = openai.OpenAI(base_url=service.url + "/v1", api_key=keys.create(["inference"]), max_retries=0)
+    assert [m.id for m in oa.models.list().data] == [MODEL_ID]
+    for alias in (MODEL_FILE, MODEL_FILE.removesuffix(".gguf"), MODEL_ID):
+        done = oa.chat.completions.create(model=alias, messages=QUESTION, max_tokens=2, temperature=0)
+        assert done.model == MODEL_ID and done.usage.completion_tokens >= 1
+        assert oa.models.retrieve(alias).id == MODEL_ID
+    with pytest.raises(openai.NotFoundError, match=MODEL_ID):
+        oa.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=2)
 
 
 def test_prompt_is_tokenized_once(oa, cloud_engine, monkeypatch):
