@@ -6,7 +6,6 @@ runs on one laptop: loopback HTTP on 8000, SQLite under ``.apiary/``, the regist
 """
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from typing import Any, Literal
 
@@ -14,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from cloud.errors import CloudError
 from shared.config import ConfigError, MqttConfig, load_section
+from shared.hostname import host_name
 from shared.model_ids import aliases, model_id
 from shared.topics import DEFAULT_SHARE_GROUP
 
@@ -22,8 +22,7 @@ def default_worker_id() -> str:
     """``cloud-<host>``: the same in every process on a machine, so a restarted worker gets its broker session
     (escalations queued while it was away) and its unfinished claims back. Give each worker on one machine
     its own ``worker_id``: two processes with one id take the MQTT session from each other."""
-    host = "".join(c if c.isalnum() or c in "_.-" else "-" for c in socket.gethostname())[:40] or "host"
-    return f"cloud-{host}"
+    return f"cloud-{host_name()}"
 
 
 class CloudSettings(BaseModel):

@@ -6,6 +6,8 @@ from typing import Optional
 
 import typer
 
+from shared.topics import DEFAULT_SITE
+
 # Rich markup would swallow "[mqtt]": escape the brackets.
 BROKER_HELP = "MQTT broker URL (mqtt://host:port); default: \\[mqtt] in the config, else mqtt://127.0.0.1:1883"
 CONFIG_HELP = "apiary TOML config (\\[edge] and \\[mqtt] sections); also $APIARY_CONFIG"
@@ -27,7 +29,7 @@ def register(app: typer.Typer) -> None:
 
 
 def run(
-    site: str = typer.Option(..., "--site", help="site name (the MQTT group)"),
+    site: str = typer.Option(DEFAULT_SITE, "--site", help="site name (the MQTT group): the bridge's --site"),
     device: str = typer.Option(..., "--device", help="device name: the agent serves this device's events"),
     broker: Optional[str] = typer.Option(None, "--broker", help=BROKER_HELP),
     model: Optional[Path] = typer.Option(None, "--model", help="GGUF file; default: the registry's SmolLM2-135M Q4_1"),

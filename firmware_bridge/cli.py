@@ -6,8 +6,14 @@ from typing import Any, Optional
 
 import typer
 
+from shared.topics import DEFAULT_SITE
+
 BROKER_HELP = "MQTT broker URL (mqtt://host:port) [from [mqtt] in the config, else mqtt://127.0.0.1:1883]"
 CONFIG_HELP = "apiary TOML config ([bridge] and [mqtt] sections); also $APIARY_CONFIG"
+NAME_HELP = "bridge node name and MQTT client id [from [bridge] in the config, else bridge-<host>-{role}]"
+DEFAULT_ANOMALY_AFTER_S = 20.0  # a newcomer watching `simulate run` sees the first anomaly within the minute
+SITE_HELP = (f"site of the devices not mapped in [bridge.sites], the edge agent's --site [from [bridge] in the "
+             f"config, else {DEFAULT_SITE}]")
 
 
 def register(app: typer.Typer) -> None:
@@ -26,7 +32,7 @@ def register(app: typer.Typer) -> None:
 # -- bridge ---------------------------------------------------------------------------------------
 
 def _start_bridge(config: Optional[Path], broker: Optional[str], name: Optional[str], site: Optional[str],
-                  truth_lookup: Any = None) -> Any:
+                  role: str, truth_lookup: Any = None) -> Any:
     from firmware_bridge.bridge import connect
     from firmware_bridge.settings import load_settings
     from shared.config import ConfigError, MqttConfig, load_section
@@ -35,12 +41,18 @@ def _start_bridge(config: Optional[Path], broker: Optional[str], name: Optional[
 
     configure()
     try:
-        settings = load_settings(config, name=name, default_site=site)
+        settings = load_settings(config, role=role, name=name, default_site=site)
         mqtt = MqttConfig.from_url(broker) if broker else load_section("mqtt", MqttConfig, config)
         return connect(settings, mqtt, truth_lookup=truth_lookup)
     except (ConfigError, TransportError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
+
+
+def _sites(settings: Any) -> str:
+    """Where events go, said at start: an edge agent on another site would never hear a thing."""
+    mapped = f" ({len(settings.sites)} devices mapped in [bridge.sites])" if settings.sites else ""
+    return f"events on site {settings.default_site}{mapped}"
 
 
 def _run_until_signal(bridge: Any, target: Any, *args: Any) -> None:
@@ -82,8 +94,8 @@ def serial(
     port: str = typer.Argument(..., help="serial device, e.g. /dev/ttyUSB0 or a pty slave /dev/pts/N"),
     baud: int = typer.Option(115200, help="baud rate"),
     broker: Optional[str] = typer.Option(None, help=BROKER_HELP),
-    name: Optional[str] = typer.Option(None, help="bridge node name [bridge-0]"),
-    site: Optional[str] = typer.Option(None, help="site for devices not mapped in [bridge.sites] [site-0]"),
+    name: Optional[str] = typer.Option(None, help=NAME_HELP.format(role="serial")),
+    site: Optional[str] = typer.Option(None, help=SITE_HELP),
     config: Optional[Path] = typer.Option(None, help=CONFIG_HELP),
 ) -> None:
     """Bridge a serial line (firmware writing frames over UART) until Ctrl-C."""
@@ -95,8 +107,8 @@ def serial(
     except BridgeError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    bridge = _start_bridge(config, broker, name, site)
-    typer.echo(f"bridge {bridge.settings.name}: reading {port} at {baud} baud")
+    bridge = _start_bridge(config, broker, name, site, "serial")
+    typer.echo(f"bridge {bridge.settings.name}: reading {port} at {baud} baud; {_sites(bridge.settings)}")
     _run_until_signal(bridge, lambda b, stop: run_serial(b, line, stop))
 
 
@@ -104,8 +116,8 @@ def udp(
     host: str = typer.Option("0.0.0.0", help="address to listen on"),
     port: int = typer.Option(47474, help="UDP port (0 = any free one, printed)"),
     broker: Optional[str] = typer.Option(None, help=BROKER_HELP),
-    name: Optional[str] = typer.Option(None, help="bridge node name [bridge-0]"),
-    site: Optional[str] = typer.Option(None, help="site for devices not mapped in [bridge.sites] [site-0]"),
+    name: Optional[str] = typer.Option(None, help=NAME_HELP.format(role="udp")),
+    site: Optional[str] = typer.Option(None, help=SITE_HELP),
     config: Optional[Path] = typer.Option(None, help=CONFIG_HELP),
 ) -> None:
     """Bridge UDP datagrams (each one or more whole frames, e.g. from a LoRa/Wi-Fi gateway) until Ctrl-C."""
@@ -117,8 +129,9 @@ def udp(
     except BridgeError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    bridge = _start_bridge(config, broker, name, site)
-    typer.echo(f"bridge {bridge.settings.name}: listening on udp://{host}:{sock.getsockname()[1]}")
+    bridge = _start_bridge(config, broker, name, site, "udp")
+    typer.echo(f"bridge {bridge.settings.name}: listening on udp://{host}:{sock.getsockname()[1]}; "
+               f"{_sites(bridge.settings)}")
     _run_until_signal(bridge, lambda b, stop: run_udp(b, sock, stop))
 
 
@@ -126,8 +139,8 @@ def replay(
     capture: Path = typer.Argument(..., help="capture file: a raw byte stream as recorded from a serial line"),
     bytes_per_s: float = typer.Option(0.0, help="pace the replay (0 = as fast as possible)"),
     broker: Optional[str] = typer.Option(None, help=BROKER_HELP),
-    name: Optional[str] = typer.Option(None, help="bridge node name [bridge-0]"),
-    site: Optional[str] = typer.Option(None, help="site for devices not mapped in [bridge.sites] [site-0]"),
+    name: Optional[str] = typer.Option(None, help=NAME_HELP.format(role="replay")),
+    site: Optional[str] = typer.Option(None, help=SITE_HELP),
     config: Optional[Path] = typer.Option(None, help=CONFIG_HELP),
 ) -> None:
     """Publish every frame of a capture file, print the counters, exit (non-zero if events were lost)."""
@@ -139,7 +152,7 @@ def replay(
     if not capture.is_file():
         typer.echo(f"error: capture file not found: {capture}", err=True)
         raise typer.Exit(2)
-    bridge = _start_bridge(config, broker, name, site)
+    bridge = _start_bridge(config, broker, name, site, "replay")
     try:
         run_replay(bridge, capture, bytes_per_s=bytes_per_s)
     except BridgeError as e:
@@ -177,6 +190,9 @@ def simulate_run(
     count: Optional[int] = typer.Option(None, help="stop after this many frames"),
     duration: Optional[float] = typer.Option(None, help="stop after this many wall seconds"),
     anomalies: int = typer.Option(0, help="inject this many random labelled anomalies"),
+    anomaly_after: float = typer.Option(DEFAULT_ANOMALY_AFTER_S, min=0, help="wall seconds (at --rate) until the "
+                                        "first of the --anomalies starts; the others follow at their kinds' usual "
+                                        "hours (with --rate 0: at the first frame)"),
     inject: list[str] = typer.Option([], help="KIND:DEVICE@HOURS after start, e.g. swarming:3@12.5 (repeatable)"),
     noise: float = typer.Option(0.0, help="fraction of frames damaged or preceded by garbage (tests resync)"),
     udp: Optional[str] = typer.Option(None, help="send to a bridge at HOST:PORT over UDP"),
@@ -208,7 +224,8 @@ def simulate_run(
             fleet.inject(kind, device, fleet.t + hours * HOUR)
         total = count if count is not None else (int(duration * rate) if duration and rate else None)
         horizon = (total / len(fleet.hives) * interval) if total else 7 * DAY
-        placed = fleet.inject_random(anomalies, horizon)
+        sim_per_wall_s = rate / len(fleet.hives) * interval  # sim seconds that pass in one wall second
+        placed = fleet.inject_random(anomalies, horizon, first_at_s=anomaly_after * sim_per_wall_s)
         if len(placed) < anomalies:
             typer.echo(f"warning: only {len(placed)} of {anomalies} anomalies fit in the {horizon / HOUR:.1f} h "
                        "of sim time this run covers (raise --count/--duration or --interval)", err=True)
@@ -219,7 +236,8 @@ def simulate_run(
         lines = ["[bridge]", "[bridge.sites]"] + [f"{dev} = \"{site}\"" for dev, site in fleet.sites().items()]
         bridge_config.write_text("\n".join(lines) + "\n")
     for a in fleet.anomalies:
-        typer.echo(f"anomaly {a.kind} on device {a.device_id} at +{(a.start - fleet.t) / HOUR:.2f} h "
+        wall = f" (~{(a.start - fleet.t) / sim_per_wall_s:.1f} s in)" if sim_per_wall_s else ""
+        typer.echo(f"anomaly {a.kind} on device {a.device_id} at +{(a.start - fleet.t) / HOUR:.2f} h{wall} "
                    f"for {a.duration_s / HOUR:.2f} h{f' ({a.mode})' if a.mode else ''}", err=True)
 
     closers: list[Any] = []

@@ -21,6 +21,8 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from shared.config import load_section
+from shared.hostname import host_name
+from shared.topics import DEFAULT_SITE
 
 from firmware_bridge.thresholds import Thresholds
 
@@ -30,8 +32,9 @@ Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.
 class BridgeSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: Name = "bridge-0"  # the bridge's node name on the state topic and its MQTT client id
-    default_site: Name = "site-0"
+    # the bridge's node name on the state topic and its MQTT client id; the CLI's default is default_name(role)
+    name: Name = "bridge-0"
+    default_site: Name = DEFAULT_SITE
     sites: dict[int, Name] = Field(default_factory=dict)  # device id -> site
     node_prefix: Annotated[str, Field(max_length=58, pattern=r"^[A-Za-z0-9_.-]*$")] = "hive-"
     buffer_size: int = Field(default=10_000, ge=1)  # events held while the broker is unreachable
@@ -48,8 +51,18 @@ class BridgeSettings(BaseModel):
         return f"{self.node_prefix}{device_id:04d}"
 
 
-def load_settings(path: str | Path | None = None, *, environ: dict[str, str] | None = None,
+def default_name(role: str) -> str:
+    """``bridge-<host>-<role>``: a serial and a UDP bridge on one host never share a client id (each would knock
+    the other off the broker), and a bridge restarted on its host gets its session back."""
+    return f"bridge-{host_name()}-{role}"
+
+
+def load_settings(path: str | Path | None = None, *, environ: dict[str, str] | None = None, role: str | None = None,
                   **explicit: Any) -> BridgeSettings:
     """``[bridge]`` from the config file, then ``APIARY__BRIDGE__*`` variables (``environ``, default
-    ``os.environ``), then ``explicit`` (``None`` values ignored). Raises ``shared.config.ConfigError``."""
-    return load_section("bridge", BridgeSettings, path, environ=environ, **explicit)
+    ``os.environ``), then ``explicit`` (``None`` values ignored); a name set by none of them is
+    ``default_name(role)`` when a ``role`` is given. Raises ``shared.config.ConfigError``."""
+    settings = load_section("bridge", BridgeSettings, path, environ=environ, **explicit)
+    if role is not None and "name" not in settings.model_fields_set:
+        settings = settings.model_copy(update={"name": default_name(role)})
+    return settings

@@ -346,10 +346,20 @@ class Fleet:
         self.anomalies.append(a)
         return a
 
-    def inject_random(self, count: int, horizon_s: float) -> list[Anomaly]:
+    def inject_random(self, count: int, horizon_s: float, *, first_at_s: float | None = None) -> list[Anomaly]:
         """``count`` anomalies on random devices over the next ``horizon_s`` of sim time, each at a
-        typical hour for its kind, never overlapping another on the same device."""
+        typical hour for its kind, never overlapping another on the same device.
+
+        ``first_at_s``: the first one starts exactly then (whatever the hour; it may run past the
+        horizon) and the others after it, so that a short watch sees an anomaly early."""
         out: list[Anomaly] = []
+        earliest = self.t
+        if count > 0 and first_at_s is not None and first_at_s < horizon_s:
+            earliest = self.t + first_at_s
+            kind = self.rng.choice(ANOMALIES)
+            free = [h.device_id for h in self.hives if self._free(h.device_id, earliest, SPECS[kind].duration_s)]
+            if free:
+                out.append(self.inject(kind, self.rng.choice(free), earliest))
         tries = 0
         while len(out) < count and tries < 100 * max(1, count):
             tries += 1
@@ -359,13 +369,16 @@ class Fleet:
             day0 = self.t - self.t % DAY
             day = day0 + DAY * self.rng.randrange(0, max(1, int(math.ceil(horizon_s / DAY))))
             at = day + HOUR * self.rng.uniform(*spec.start_hours)
-            if not self.t <= at <= self.t + horizon_s - spec.duration_s:
+            if not earliest <= at <= self.t + horizon_s - spec.duration_s:
                 continue
-            if any(b.device_id == dev and at < b.end + HOUR and b.start < at + spec.duration_s + HOUR
-                   for b in self.anomalies):
-                continue
-            out.append(self.inject(kind, dev, at))
+            if self._free(dev, at, spec.duration_s):
+                out.append(self.inject(kind, dev, at))
         return out
+
+    def _free(self, device_id: int, at: float, duration_s: float) -> bool:
+        """No anomaly on ``device_id`` within an hour of ``[at, at + duration_s)``."""
+        return not any(b.device_id == device_id and at < b.end + HOUR and b.start < at + duration_s + HOUR
+                       for b in self.anomalies)
 
     def _anomaly_at(self, device_id: int, t: float) -> Anomaly | None:
         for a in self.anomalies:

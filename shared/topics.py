@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 ROOT = "apiary/v1"
 CLOUD_SITE = "_cloud"  # cloud workers publish their own state under this pseudo-site
+DEFAULT_SITE = "site-0"  # the site of a bridge, simulator or edge agent not told one: they meet there
 DEFAULT_SHARE_GROUP = "cloud-workers"
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 

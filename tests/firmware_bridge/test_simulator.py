@@ -212,3 +212,35 @@ def test_pty_sink_waits_for_its_reader_and_drains_before_closing():
     t.join(20)
     assert stats.frames == 300
     assert [(f.device_id, f.seq) for f in got] == [(f.device_id, f.seq) for f in frames]
+
+
+def test_the_first_random_anomaly_starts_when_asked_and_none_before() -> None:
+    fleet = Fleet(2, 4, seed=0)
+    t0 = fleet.t
+    got = fleet.inject_random(3, 7 * DAY, first_at_s=2 * HOUR)
+    assert len(got) == 3 and got[0].start == t0 + 2 * HOUR
+    assert min(a.start for a in got) == t0 + 2 * HOUR
+    short = Fleet(2, 4, seed=0)  # a run too short for the whole anomaly still gets its start
+    assert short.inject_random(1, 3 * HOUR, first_at_s=2.5 * HOUR)[0].start == short.t + 2.5 * HOUR
+    lone = Fleet(1, 1, seed=0)  # the one device is taken then: the first waits for a free slot
+    lone.inject("swarming", 1, lone.t + 2 * HOUR)
+    assert all(a.start > lone.t + 2 * HOUR for a in lone.inject_random(1, 7 * DAY, first_at_s=2 * HOUR))
+
+
+def test_cli_anomaly_after_is_wall_seconds_at_the_rate(tmp_path) -> None:
+    """--anomaly-after 0.5 at 100 frames/s: the first anomalous frame comes right after the 50th (8 hives a tick)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from apiary.cli import app
+
+    labels = tmp_path / "labels.jsonl"
+    result = CliRunner().invoke(app, ["simulate", "run", "--out", str(tmp_path / "cap.bin"), "--rate", "100",
+                                      "--count", "160", "--anomalies", "1", "--anomaly-after", "0.5",
+                                      "--labels", str(labels)])
+    assert result.exit_code == 0, result.output
+    frames = [json.loads(line) for line in labels.read_text().splitlines()]
+    first = next(i for i, f in enumerate(frames) if f["label"] != "normal")
+    assert 50 <= first < 50 + 2 * 8, first  # in the first tick (8 frames) from 0.5 s on, at the device's place
+    assert "~0.5 s in" in result.output
