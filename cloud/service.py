@@ -97,19 +97,27 @@ class CloudService:
         from cloud.api import AppContext, create_app
 
         s = self.settings
-        self.store = self.store or SqliteStore(s.db)
-        self.keys = KeyRing(s.api_key_file)
-        api_key = None
-        if s.generate_key == "always" or (s.generate_key == "auto" and len(self.keys) == 0):
-            api_key = self.keys.create(SCOPES, name="generated", persist=False)
-        self.engine = self.engine or build_engine(s)
-        self.metrics.watch_engine(self.engine.metrics)
-        if s.broker:
-            self._start_mqtt(timeout)
-        ctx = AppContext(settings=s, engine=self.engine, store=self.store, keys=self.keys, metrics=self.metrics,
-                         model_name=s.model_name, transport=self.transport)
-        self.app = create_app(ctx)
-        url = self._start_http(timeout)
+        # Fail fast: what can be wrong in a moment is checked before the model load (a minute on a busy CPU).
+        sock = self._listen()
+        try:
+            if s.broker:
+                self._preflight_broker(timeout)
+            self.store = self.store or SqliteStore(s.db)
+            self.keys = KeyRing(s.api_key_file)
+            api_key = None
+            if s.generate_key == "always" or (s.generate_key == "auto" and len(self.keys) == 0):
+                api_key = self.keys.create(SCOPES, name="generated", persist=False)
+            self.engine = self.engine or build_engine(s)
+            self.metrics.watch_engine(self.engine.metrics)
+            if s.broker:
+                self._start_mqtt(timeout)
+            ctx = AppContext(settings=s, engine=self.engine, store=self.store, keys=self.keys, metrics=self.metrics,
+                             model_name=s.model_name, transport=self.transport)
+            self.app = create_app(ctx)
+            url = self._start_http(sock, timeout)
+        except BaseException:
+            sock.close()  # the server never started on it (or stop() ends it): free the port
+            raise
         self.info = ServiceInfo(url=url, api_key=api_key, model=s.model_name, broker=s.broker, worker_id=s.worker_id)
         _log.info("cloud service up at %s (model %s, broker %s)", url, s.model_name, s.broker or "none")
         return self.info
@@ -142,14 +150,28 @@ class CloudService:
             raise CloudError(f"cannot reach the broker {s.broker}: {e}") from None
         self.transport.publish(state_topic, make(self._state("birth"), sender=s.worker_id), retain=True)
 
-    def _start_http(self, timeout: float) -> str:
+    def _listen(self) -> socket.socket:
+        """The HTTP socket, bound now: a taken port is reported before anything slow starts."""
+        s = self.settings
+        try:
+            return socket.create_server((s.host, s.port), reuse_port=False)
+        except OSError as e:
+            raise CloudError(f"cannot listen on {s.host}:{s.port}: {e}") from None
+
+    def _preflight_broker(self, timeout: float) -> None:
+        """Say at once when the broker does not answer, and what happens next; the real connection (after the
+        model load, once the worker's handlers are in place) still retries, as a broker started alongside needs."""
+        mqtt = self.settings.mqtt
+        try:
+            socket.create_connection((mqtt.host, mqtt.port), timeout=min(timeout, 5.0)).close()
+        except OSError as e:
+            _log.warning("broker %s does not answer (%s: %s); loading the model, then connecting, retrying every "
+                         "%g s for up to %g s", mqtt.url, type(e).__name__, e, mqtt.reconnect_min_s, timeout)
+
+    def _start_http(self, sock: socket.socket, timeout: float) -> str:
         import uvicorn
 
         s = self.settings
-        try:
-            sock = socket.create_server((s.host, s.port), reuse_port=False)
-        except OSError as e:
-            raise CloudError(f"cannot listen on {s.host}:{s.port}: {e}") from None
         port = sock.getsockname()[1]
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False,
                                 timeout_graceful_shutdown=5)

@@ -8,17 +8,17 @@ import typer
 
 from shared.topics import DEFAULT_SITE
 
-# Rich markup would swallow "[mqtt]": escape the brackets.
-BROKER_HELP = "MQTT broker URL (mqtt://host:port); default: \\[mqtt] in the config, else mqtt://127.0.0.1:1883"
-CONFIG_HELP = "apiary TOML config (\\[edge] and \\[mqtt] sections); also $APIARY_CONFIG"
+# Help is plain text (rich_markup_mode=None here and in `apiary`), so "[mqtt]" prints as written.
+BROKER_HELP = "MQTT broker URL (mqtt://host:port); default: [mqtt] in the config, else mqtt://127.0.0.1:1883"
+CONFIG_HELP = "apiary TOML config ([edge] and [mqtt] sections); also $APIARY_CONFIG"
 STYLE_HELP = ("prompt style the model is asked in: auto (the GGUF's apiary.prompt_style, else examples) | examples | "
-              "short; default: prompt_style in \\[edge], else auto")
+              "short; default: prompt_style in [edge], else auto")
 
 
 def edge_app() -> typer.Typer:
     """The edge commands (``apiary edge …``; ``python -m edge …`` runs them directly)."""
     edge = typer.Typer(help="The edge agent: local INT4 model, escalation to the cloud, store-and-forward.",
-                       no_args_is_help=True, pretty_exceptions_show_locals=False)
+                       no_args_is_help=True, pretty_exceptions_show_locals=False, rich_markup_mode=None)
     edge.command("run")(run)
     edge.command("answer")(answer)
     return edge

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import getpass
 import shutil
@@ -47,6 +48,20 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """:class:`BrokerError` when ``host:port`` cannot be listened on (bound as Mosquitto binds: SO_REUSEADDR)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            s.listen()
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise BrokerError(f"port {port} on {host} is in use: stop what listens there or choose another "
+                                  "--port") from None
+            raise BrokerError(f"cannot listen on {host}:{port}: {e.strerror}") from None
 
 
 def wait_for_port(host: str, port: int, timeout: float, alive: Callable[[], bool] | None = None) -> bool:
@@ -144,8 +159,11 @@ class MosquittoBroker:
             raise BrokerError(f"{self.binary} not found: apt-get install mosquitto")
         if self.running:
             return self.config
-        self.data_dir.mkdir(parents=True, exist_ok=True)
         pick_port = self.port == 0
+        if not pick_port:
+            # Else a connect to whoever holds the port would pass for Mosquitto being up, until it exits.
+            _check_port_free(self.host, self.port)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
         for _ in range(5 if pick_port else 1):
             if pick_port:
                 self.port = free_port(self.host)

@@ -95,8 +95,10 @@ def broker(
             stop.wait(0.5)
     finally:
         crashed = not stop.is_set()
+        tail = server.log_tail(10) if crashed and mosquitto else ""
         server.close()
     if crashed:
-        typer.echo("error: the broker exited unexpectedly", err=True)
+        typer.echo(f"error: the broker exited unexpectedly{'; its log ends:' if tail else ''}\n{tail}".rstrip(),
+                   err=True)
         raise typer.Exit(1)
     typer.echo("broker stopped")

@@ -217,6 +217,7 @@ class MqttTransport:
         deadline = time.monotonic() + timeout
         protocols = ("5", "3.1.1") if self.config.protocol == "auto" else (self.config.protocol,)
         last = "no attempt made"
+        reported = False
         while True:
             for proto in protocols:
                 attempt = self._attempt(proto, deadline)
@@ -227,6 +228,10 @@ class MqttTransport:
                     raise TransportError(f"{self.config.url} refused client {self.client_id!r}: {attempt.reason}")
                 if attempt.kind != "protocol":
                     break  # broker not reachable yet: start over with the preferred protocol
+            if not reported:  # at once, not after the whole timeout in silence: a broker may be starting alongside
+                log.warning("cannot reach %s yet (%s); retrying every %g s for up to %g s", self.config.url, last,
+                            self.config.reconnect_min_s, timeout)
+                reported = True
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TransportError(f"could not connect to {self.config.url} within {timeout}s ({last})")

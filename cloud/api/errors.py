@@ -27,6 +27,12 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
                416: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
                503: "service_unavailable"}
+# ``code`` is always a string, as OpenAI's is (clients switch on it): the cause where one is known
+# (``validation_error``, ``model_not_found``, ``overloaded`` …), else this one per status.
+ERROR_CODES = {400: "invalid_request", 401: "invalid_api_key", 403: "insufficient_scope", 404: "not_found",
+               405: "method_not_allowed", 413: "request_too_large", 416: "range_not_satisfiable",
+               422: "invalid_request", 429: "overloaded", 499: "client_disconnected", 500: "internal_error",
+               503: "service_unavailable"}
 
 # For the OpenAPI document: routes list the errors they can return with this body.
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -36,9 +42,9 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def error_body(status: int, message: str, *, param: str | None = None, code: str | int | None = None) -> dict:
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "api_error"), "param": param,
-                      "code": code if code is not None else status}}
+                      "code": code or ERROR_CODES.get(status, f"http_{status}")}}
 
 
 def error_response(status: int, message: str, *, headers: dict[str, str] | None = None, **kw: Any) -> JSONResponse:
@@ -48,6 +54,15 @@ def error_response(status: int, message: str, *, headers: dict[str, str] | None 
 class BodyTooLarge(HTTPException):
     def __init__(self, limit: int) -> None:
         super().__init__(413, f"request body over the {limit}-byte limit")
+
+
+class ModelNotFound(HTTPException):
+    """A 404 for a ``model`` this server does not serve (OpenAI's ``model_not_found``)."""
+
+    code = "model_not_found"
+
+    def __init__(self, name: str, served: str) -> None:
+        super().__init__(404, f"model {name!r} not found; this server serves {served!r}")
 
 
 class InvalidParam(HTTPException):
@@ -107,7 +122,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None),
-                              param=getattr(exc, "param", None))
+                              param=getattr(exc, "param", None), code=getattr(exc, "code", None))
 
     @app.exception_handler(EngineOverloaded)
     async def _overloaded(request: Request, exc: EngineOverloaded) -> JSONResponse:

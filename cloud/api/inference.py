@@ -23,12 +23,11 @@ from typing import Any, AsyncIterator
 import anyio
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
 from shared.logs import get_logger
 
-from cloud.api.errors import ERROR_RESPONSES, InvalidParam, OpenAIRoute, error_body
+from cloud.api.errors import ERROR_RESPONSES, InvalidParam, ModelNotFound, OpenAIRoute, error_body
 from cloud.api.logprobs import chat_logprobs, completion_logprobs
 from cloud.api.schemas import (ChatChoice, ChatCompletion, ChatCompletionRequest, ChatLogprobs, ChatMessageOut,
                                Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, ErrorResponse,
@@ -105,7 +104,7 @@ async def unless_disconnected(request: Request, awaitable: Any, poll_s: float = 
 def _check_model(ctx, name: str | None) -> None:
     """404 unless ``name`` is the served model: its id or an alias (its file name), so either is served."""
     if name is not None and name != ctx.model_name and name not in ctx.settings.model_aliases:
-        raise HTTPException(404, f"model {name!r} not found; this server serves {ctx.model_name!r}")
+        raise ModelNotFound(name, ctx.model_name)
 
 
 def _max_tokens(ctx, body: _Request, prompt_len: int, chat: bool) -> int:

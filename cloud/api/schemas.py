@@ -265,7 +265,7 @@ class ErrorDetail(BaseModel):
     message: str
     type: str
     param: str | None = None
-    code: str | int | None = None
+    code: str  # the cause (validation_error, model_not_found, overloaded, …), always a string
 
 
 class ErrorResponse(BaseModel):

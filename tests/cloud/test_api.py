@@ -253,3 +253,33 @@ def test_health_metrics_and_openapi(server):
                 "guided_json", "stop_token_ids", "repetition_penalty"} <= set(props)
         assert "400" in schema["paths"]["/v1/chat/completions"]["post"]["responses"]
         assert "prompt_tokens_details" in schema["components"]["schemas"]["Usage"]["properties"]
+
+
+def test_every_error_code_is_a_string(server, tmp_path):
+    """Whatever raised it (auth, validation, a route's own 404/422/503, the body limit, an unknown method), the
+    error's ``code`` is a string, as OpenAI's is, and the OpenAPI document says so."""
+    ota = {"site": "farm", "device": "h1", "image_version": "1", "filename": "edge.img", "sha256": "0" * 64,
+           "signature": "0" * 128, "size": 3}
+    (tmp_path / "images").mkdir(exist_ok=True)
+    with client(server) as c, client(server, key="operator") as op, client(server, key=None) as anonymous:
+        responses = {
+            "401": anonymous.get("/v1/models"),
+            "403": c.get("/v1/fleet/devices"),
+            "404 model": c.post("/v1/completions", json={"model": "gpt-4", "prompt": "hi", "max_tokens": 1}),
+            "404 image": anonymous.get("/v1/images/none.img"),
+            "404 ota image": op.post("/v1/fleet/ota", json=ota),
+            "400 validation": c.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": []}),
+            "400 engine": c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 5000}),
+            "405": c.delete("/v1/models"),
+            "413": c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "x" * (80 * 1024)}),
+            "422 validation": op.post("/v1/fleet/ota", json={"site": 1}),
+        }
+        (tmp_path / "images" / "edge.img").write_bytes(b"abcd")
+        responses["422 route"] = op.post("/v1/fleet/ota", json=ota)  # the size does not match
+        responses["503"] = op.post("/v1/fleet/ota", json={**ota, "size": 4})  # no broker
+        openapi = anonymous.get("/openapi.json").json()
+    codes = {what: r.json()["error"]["code"] for what, r in responses.items()}
+    assert all(str(r.status_code) == what.split()[0] for what, r in responses.items()), codes
+    assert all(isinstance(code, str) and code for code in codes.values()), codes
+    assert codes["404 model"] == "model_not_found" and codes["401"] == "invalid_api_key", codes
+    assert openapi["components"]["schemas"]["ErrorDetail"]["properties"]["code"]["type"] == "string"

@@ -31,6 +31,32 @@ def test_keys_create(tmp_path):
     assert bad.exit_code == 2 and "scopes" in bad.output
 
 
+def test_serve_reports_a_taken_port_before_loading_the_model(tmp_path):
+    """The HTTP port is taken first: a busy port is the error, not something said after a long model load
+    (here the model does not even exist, and that is not what fails)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        result = CliRunner().invoke(app, ["cloud", "serve", "--port", str(port), "--model", str(tmp_path / "none.gguf"),
+                                          "--db", str(tmp_path / "c.db"), "--api-key-file", str(tmp_path / "k")])
+    assert result.exit_code == 2 and f"cannot listen on 127.0.0.1:{port}" in result.output, result.output
+    assert "none.gguf" not in result.output
+
+
+def test_serve_reports_an_unreachable_broker_before_loading_the_model(tmp_path, caplog):
+    """The broker is asked first: its refusal is logged at once with the retry policy, while the model loads."""
+    from shared.brokers import free_port
+
+    broker = f"mqtt://127.0.0.1:{free_port()}"
+    result = CliRunner().invoke(app, ["cloud", "serve", "--port", "0", "--broker", broker, "--model",
+                                      str(tmp_path / "none.gguf"), "--db", str(tmp_path / "c.db"),
+                                      "--api-key-file", str(tmp_path / "k")])
+    assert result.exit_code == 2 and "none.gguf" in result.output, result.output  # the model still fails
+    reports = [r.getMessage() for r in caplog.records if broker in r.getMessage()]
+    assert len(reports) == 1 and "ConnectionRefused" in reports[0] and "up to 30 s" in reports[0], reports
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_serve_subprocess_end_to_end(tmp_path, gguf_path, mosquitto):

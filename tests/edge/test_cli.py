@@ -48,3 +48,17 @@ def test_answer_rejects_bad_readings() -> None:
 def test_answer_rejects_an_unknown_prompt_style(tmp_path: Path) -> None:
     r = run("answer", '{"hive_temp_c": 39.5}', "--prompt-style", "long", "--model", str(tmp_path / "none.gguf"))
     assert r.exit_code == 2 and "invalid [edge] configuration" in r.output and "prompt_style must be" in r.output
+
+
+def test_help_shows_config_sections_literally() -> None:
+    """`[mqtt]`, not `\\[mqtt]`, through `apiary edge` and `python -m edge` alike."""
+    import subprocess
+    import sys
+
+    from apiary.cli import app as apiary
+
+    texts = [runner.invoke(apiary, ["edge", "run", "--help"]).output,
+             subprocess.run([sys.executable, "-m", "edge", "run", "--help"], capture_output=True, text=True,
+                            env={"COLUMNS": "100", "PATH": ""}, timeout=60).stdout]
+    for text in texts:
+        assert "[mqtt]" in text and "[edge]" in text and "\\[" not in text, text

@@ -193,11 +193,29 @@ def kill_mosquitto_using(conf: Path) -> None:
             os.kill(int(entry.name), signal.SIGTERM)
 
 
-def test_apiary_broker_command_reports_a_taken_port() -> None:
+@pytest.mark.parametrize("kind", ["embedded", "mosquitto"])
+def test_apiary_broker_command_reports_a_taken_port(kind, tmp_path) -> None:
+    """Never "listening" (on someone else's socket) then "exited unexpectedly": the taken port, at once."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
-        proc = subprocess.run([sys.executable, "-m", "apiary", "broker", "--port", str(s.getsockname()[1])],
-                              cwd=REPO, capture_output=True, text=True, timeout=60)
+        port = s.getsockname()[1]
+        args = [sys.executable, "-m", "apiary", "broker", "--port", str(port)]
+        if kind == "mosquitto":
+            args += ["--mosquitto", "--data-dir", str(tmp_path)]
+        proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert "error:" in proc.stderr and "Traceback" not in proc.stderr
+    assert "listening" not in proc.stdout and "unexpectedly" not in proc.stderr
+    if kind == "mosquitto":
+        assert f"port {port}" in proc.stderr and "in use" in proc.stderr, proc.stderr
+
+
+def test_mosquitto_on_a_taken_port_is_refused_before_it_starts(tmp_path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        broker = MosquittoBroker(port=s.getsockname()[1], data_dir=tmp_path)
+        with pytest.raises(BrokerError, match=f"port {s.getsockname()[1]} .*in use"):
+            broker.start()
+        assert not broker.running and not broker.conf_path.exists()

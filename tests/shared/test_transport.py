@@ -92,6 +92,28 @@ def test_start_without_broker_fails_within_timeout() -> None:
         t.publish(topics.event(SITE, "hive-01"), event(1))
 
 
+def test_a_refused_broker_is_reported_at_the_first_attempt_with_the_retry_policy(monkeypatch, caplog) -> None:
+    """Not seconds of silence: the first refusal is logged at once, saying how long it keeps trying, and only once."""
+    import logging
+
+    t = MqttTransport(MqttConfig(port=free_port(), reconnect_min_s=0.05), "edge-1")
+    order: list[str] = []
+    attempt = t._attempt
+    monkeypatch.setattr(t, "_attempt", lambda *a: order.append("attempt") or attempt(*a))
+    handler = logging.Handler()
+    handler.emit = lambda record: order.append(record.getMessage())
+    logging.getLogger("shared.transport").addHandler(handler)
+    try:
+        with pytest.raises(TransportError, match="ConnectionRefused"):
+            t.start(timeout=1.0)
+    finally:
+        logging.getLogger("shared.transport").removeHandler(handler)
+    reports = [line for line in order if line != "attempt"]
+    assert order.count("attempt") > 2 and order[0] == "attempt" and order[1] == reports[0], order
+    assert len(reports) == 1 and "ConnectionRefused" in reports[0], reports
+    assert "retrying every 0.05 s for up to 1 s" in reports[0], reports
+
+
 # ---------------------------------------------------------------------------- both brokers
 
 def all_types() -> list[tuple[str, Envelope]]:
