@@ -44,7 +44,8 @@ class MeshOptions:
     use_mosquitto: bool = False
     results_dir: Path = Path("results/demo")
     edge_threads: int = 1  # llama.cpp threads per agent: several agents share this machine's cores
-    model: str = "smollm2-135m-q4"
+    cloud_model: str = "smollm2-135m-q4"  # the teacher's base; the cloud merges its shipped task adapter
+    edge_model: str = "edge-student"  # the shipped signed edge image: the INT4 student distilled from the teacher
     cloud_dtype: str = "auto"
     startup_timeout_s: float = 300.0
 
@@ -75,8 +76,9 @@ class Mesh:
         say = on_step or (lambda text: None)
         o = self.options
         self.results.mkdir(parents=True, exist_ok=True)
-        model_path = assets.ensure(o.model)  # once, before several processes would race to pull it
-        say(f"model {model_path}")
+        # Once, before several processes would race to pull or unpack them.
+        cloud_model, edge_model = assets.model_file(o.cloud_model), assets.model_file(o.edge_model)
+        say(f"cloud model {cloud_model.name}, edge model {edge_model.name}")
         if o.broker_url:
             self.mqtt = MqttConfig.from_url(o.broker_url)
         elif o.use_mosquitto:
@@ -95,14 +97,14 @@ class Mesh:
         self.observer = MeshObserver(self.mqtt).start()
         port = free_port()
         cloud = self.supervisor.spawn("cloud", [
-            "cloud", "serve", "--broker", self.mqtt.url, "--port", str(port), "--model", str(model_path),
+            "cloud", "serve", "--broker", self.mqtt.url, "--port", str(port), "--model", str(cloud_model),
             "--db", str(self.results / "cloud.db"), "--images", str(self.results / "images"),
             "--api-key-file", str(self.results / "cloud-keys.jsonl"), "--dtype", o.cloud_dtype])
         self.cloud_url, self.api_key = self._wait_for_cloud(cloud.log_path)
         say(f"cloud {self.cloud_url}")
         for site, node in self.devices():
             self.supervisor.spawn(f"edge-{site}-{node}", [
-                "edge", "run", "--site", site, "--device", node, "--broker", self.mqtt.url, "--model", str(model_path),
+                "edge", "run", "--site", site, "--device", node, "--broker", self.mqtt.url, "--model", str(edge_model),
                 "--state-dir", str(self.results / "edge" / f"{site}-{node}")],
                 env={"APIARY__EDGE__THREADS": str(o.edge_threads)})
         self._wait_for_edges()

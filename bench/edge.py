@@ -8,7 +8,8 @@ with ``edge.triage.needs_answer(event, context)``, then the llama.cpp INT4 model
 grammar, confidence from logprob quantiles); every situation that needs an answer also goes
 to the cloud tier exactly as the cloud worker answers an escalation
 (``cloud.actions.generate_action`` on the cloud engine: the registry GGUF dequantized, fp32 by
-default, plus the LoRA adapter of ``--cloud-adapter`` if given; one request decoded under the
+default, plus the LoRA adapter of ``--cloud-adapter``, by default the shipped teacher adapter,
+as ``apiary cloud serve`` does; one request decoded under the
 same JSON Schema, its confidence scored by the edge's rule). Both answers are kept, so the
 cascade can be replayed for any threshold without re-running a model:
 
@@ -23,7 +24,8 @@ Prompt styles (``shared.prompting.build_messages``): the edge asks in ``--edge-p
 (``shared.prompting.PROMPT_STYLE_KEY``), else ``examples``; the agent's Responder builds the
 prompt in ``LocalModel.prompt_style``), the cloud in its
 engine's style (``AsyncEngine.prompt_style``: the adapter's, else ``examples``), as the worker
-does. With the defaults both tiers are the registry model with the worked-examples prompt.
+does. With the defaults the edge is the shipped edge image's INT4 student and the cloud the
+tuned teacher, both asking in the short prompt, as ``apiary demo`` runs them.
 
 Routine readings (severity info, no flags, device not flagged just before) are triaged as
 "normal" with no model call in every strategy, as the agent does. The energy budget is
@@ -473,13 +475,14 @@ def _plots(json_path: Path, splits: dict[str, dict[str, Any]], calibration_curve
 def command(
     limit: int = typer.Option(0, help="use only the first N situations of each split (0: all)"),
     threads: int = typer.Option(1, help="llama.cpp threads for the evaluation (1 is robust on a shared machine)"),
-    max_escalated: float = typer.Option(0.5, help="most of the answered events the cascade may escalate"),
-    edge_model: Path = typer.Option(None, help="edge GGUF (default: the registry's SmolLM2-135M Q4_1)"),
+    max_escalated: float = typer.Option(0.25, help="most of the answered events the cascade may escalate"),
+    edge_model: Path = typer.Option(None, help="edge GGUF (default: the shipped edge image's INT4 student)"),
     edge_prompt_style: str = typer.Option(
         "auto", help="edge prompt style: auto (the GGUF's apiary.prompt_style metadata, else examples) | examples "
                      "| short"),
-    cloud_adapter: Path = typer.Option(
-        None, help="LoRA adapter folder for the cloud engine (apiary finetune); its prompt style is the cloud's"),
+    cloud_adapter: str = typer.Option(
+        "auto", help="LoRA adapter for the cloud engine: auto (the shipped teacher adapter), none, or a folder "
+                     "(apiary finetune); its prompt style is the cloud's"),
     cloud_dtype: str = typer.Option("float32", help="cloud engine dtype (float32 | bfloat16)"),
     cloud_max_tokens: int = typer.Option(128, help="max tokens per cloud answer"),
     skip_cloud: bool = typer.Option(False, help="edge only (no cloud engine)"),
@@ -495,11 +498,15 @@ def command(
 
     if edge_prompt_style not in STYLE_CHOICES:
         raise typer.BadParameter(f"--edge-prompt-style must be one of {', '.join(STYLE_CHOICES)}")
-    if cloud_adapter is not None and not cloud_adapter.is_dir():
+    base_gguf = str(assets.ensure("smollm2-135m-q4"))
+    if cloud_adapter == "auto":
+        adapter = assets.adapter_for(Path(base_gguf))
+    else:
+        adapter = None if cloud_adapter == "none" else Path(cloud_adapter)
+    if adapter is not None and not adapter.is_dir():
         raise typer.BadParameter(f"--cloud-adapter {cloud_adapter} is not a folder")
     rss0 = _rss_mib()
-    base_gguf = str(assets.ensure("smollm2-135m-q4"))
-    edge_gguf = str(edge_model) if edge_model is not None else base_gguf
+    edge_gguf = str(edge_model) if edge_model is not None else str(assets.model_file("edge-student"))
     settings = EdgeSettings(threads=threads, prompt_style=edge_prompt_style, power=PowerProfile(enabled=False),
                             policy=PolicySettings(min_confidence=-math.inf, critical_severities=[]))
     cases = _load_cases(limit)
@@ -526,7 +533,7 @@ def command(
         print("cloud pass ...")
         t0 = time.perf_counter()
         skipped, cloud_style = _run_cloud(cases, base_gguf, cloud_dtype, cloud_max_tokens,
-                                          str(cloud_adapter) if cloud_adapter is not None else None)
+                                          str(adapter) if adapter is not None else None)
         cloud_s = time.perf_counter() - t0
     if skipped:
         print(skipped)
@@ -613,7 +620,7 @@ def command(
     cascade = {c.id: _pred(c, threshold)[1] for c in cases} if threshold is not None else {}
     extra = {"runtime": runtime, "threshold": _num(threshold), "max_escalated": max_escalated,
              "edge": {"model": edge_gguf, "prompt_style": edge_style, "prompt_style_source": edge_style_source},
-             "cloud": {"skipped": skipped, "model": base_gguf, "adapter": str(cloud_adapter) if cloud_adapter else None,
+             "cloud": {"skipped": skipped, "model": base_gguf, "adapter": str(adapter) if adapter else None,
                        "prompt_style": cloud_style, "dtype": cloud_dtype,
                        **({"pass_s": cloud_s} if not skipped else {})},
              "calibration": {"n": len(by_split[CALIBRATION]),
@@ -627,7 +634,7 @@ def command(
                         "cloud_score": c.cloud_score,
                         "cloud_tokens": [c.cloud_prompt_tokens, c.cloud_completion_tokens],
                         "escalated": cascade.get(c.id)} for c in cases]}
-    cloud_name = Path(base_gguf).name + (f" + {cloud_adapter.name}" if cloud_adapter else "")
+    cloud_name = Path(base_gguf).name + (f" + {adapter.name}" if adapter else "")
     report("edge", f"Edge vs cloud vs cascade (edge {Path(edge_gguf).name} on llama.cpp, {edge_style} prompt; "
                    f"cloud {cloud_name} on the cloud engine, {cloud_style or '-'} prompt)",
            columns, rows, extra, out=out)

@@ -59,6 +59,8 @@ def distill_command(
     seed: int = typer.Option(0),
     threads: int = typer.Option(2, help="Torch threads."),
     keep_wrong: bool = typer.Option(False, help="Also learn from teacher answers that miss the simulator's label."),
+    context_drop: float = typer.Option(0.25, help="Share of situations asked with fewer earlier events (as after a "
+                                                  "boot), so the student does not need full context."),
     qat_steps: int = typer.Option(0, help="Train the last N steps through the INT4 export's rounding (QAT)."),
     qat_qtype: str = typer.Option("q4_0", help="The GGUF block type QAT simulates: q4_0 or q4_1."),
     dtype: str = typer.Option("bfloat16", help="Autocast dtype for the student's matmuls: bfloat16 or float32."),
@@ -76,7 +78,7 @@ def distill_command(
                             out=out, layers=layers, layer_ids=ids, steps=steps,
                             batch_size=batch_size, seq_len=seq_len, lr=lr, temperature=temperature, alpha_ce=alpha_ce,
                             top_k=top_k, n_sensor=n_sensor, n_eval=n_eval, n_general=n_general, seed=seed,
-                            threads=threads, keep_wrong=keep_wrong, dtype=dtype,
+                            threads=threads, keep_wrong=keep_wrong, context_drop=context_drop, dtype=dtype,
                             qat_steps=qat_steps, qat_qtype=qat_qtype,
                             checkpoint_every=checkpoint_every)
         report = distill(cfg, resume=resume, progress=progress)
@@ -169,7 +171,7 @@ image_app = typer.Typer(help="Signed edge images: keys, build, verify, OTA comma
 
 @image_app.command("keygen")
 def keygen(out_dir: Path = typer.Option(Path(".apiary/keys"), help="Folder for NAME.key and NAME.pub."),
-           name: str = typer.Option("apiary-image")) -> None:
+           name: str = typer.Option("apiary-image", help="Base name of the key files: NAME.key (private) and NAME.pub.")) -> None:
     """Write an Ed25519 key pair: NAME.key (PKCS#8 PEM, 0600, keep it off devices) and NAME.pub (64 hex)."""
     from shared.image import ImageError, write_keypair
 
@@ -220,7 +222,9 @@ def verify(archive: Path = typer.Argument(...),
 
 
 @image_app.command("command")
-def ota_command(archive: Path = typer.Argument(...), site: str = typer.Option(...), device: str = typer.Option(...),
+def ota_command(archive: Path = typer.Argument(...),
+                site: str = typer.Option(..., help="Site of the device to update (its MQTT group)."),
+                device: str = typer.Option(..., help="Device to update (its node name, e.g. hive-0001)."),
                 url: str = typer.Option(..., help="Where the device downloads the archive (the cloud API)."),
                 public_key: Path = typer.Option(..., help="Public key, to check the archive before announcing it."),
                 broker: Optional[str] = typer.Option(None, help="mqtt://host:port: publish it (else just print it).")) -> None:

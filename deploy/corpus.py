@@ -47,13 +47,28 @@ class Sample:
         return self.kind != "sensor" or (self.label is not None and self.answered == self.label)
 
 
-def sensor_situations(n: int, seed: int, style: str = "examples") -> list[tuple[list[dict[str, str]], str]]:
-    """``n`` simulator situations as (chat messages in prompt ``style``, ground-truth label)."""
+def sensor_situations(n: int, seed: int, style: str = "examples",
+                      context_drop: float = 0.0) -> list[tuple[list[dict[str, str]], str]]:
+    """``n`` simulator situations as (chat messages in prompt ``style``, ground-truth label).
+
+    ``context_drop``: the share of situations whose earlier events are cut to the last k (k drawn
+    from 0 .. all but one, deterministically from ``seed``), as a device sees them after a boot
+    or a gap: a model trained only on full context reads a missing "change" line as evidence.
+    """
+    import random
+
     from firmware_bridge.simulator import labelled_situations
     from shared.prompting import build_messages
 
-    return [([m.model_dump() for m in build_messages(s.event, s.context, style=style)], s.label)
-            for s in labelled_situations(n, seed)]
+    rng = random.Random(seed * 7_919 + 17)
+    out = []
+    for s in labelled_situations(n, seed):
+        context = list(s.context)
+        if context and rng.random() < context_drop:
+            keep = rng.randrange(len(context))
+            context = context[len(context) - keep:] if keep else []
+        out.append(([m.model_dump() for m in build_messages(s.event, context, style=style)], s.label))
+    return out
 
 
 def general_samples(path: str | Path = GENERAL_TEXT) -> list[Sample]:
@@ -78,7 +93,8 @@ def teacher_engine(teacher: str | Path, adapter: str | Path | None = None) -> An
 
 
 def build_sensor_corpus(engine: Any, out: str | Path, n: int, seed: int, *, style: str = "examples",
-                        max_tokens: int = 96, on_sample: Callable[[int], None] | None = None) -> list[Sample]:
+                        context_drop: float = 0.0, max_tokens: int = 96,
+                        on_sample: Callable[[int], None] | None = None) -> list[Sample]:
     """``n`` sensor samples in ``out`` (JSONL), answered by ``engine`` (:func:`teacher_engine`), continuing
     a partial file; returns all of them.
 
@@ -99,7 +115,7 @@ def build_sensor_corpus(engine: Any, out: str | Path, n: int, seed: int, *, styl
     eos = tok.decode([tok.eos_token_id], skip_special_tokens=False)
     params = SamplingParams(max_tokens=max_tokens,
                             structured=StructuredOutput("json_schema", json.dumps(ACTION_JSON_SCHEMA)))
-    situations = sensor_situations(n, seed, style)[len(done):]
+    situations = sensor_situations(n, seed, style, context_drop)[len(done):]
     out.parent.mkdir(parents=True, exist_ok=True)
     for start in range(0, len(situations), ANSWER_BATCH):
         chunk = situations[start:start + ANSWER_BATCH]

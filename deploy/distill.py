@@ -78,6 +78,7 @@ class DistillConfig:
     n_eval: int = 24
     n_general: int | None = None  # general-text records to include (None: all, 0: none)
     max_answer_tokens: int = 96
+    context_drop: float = 0.25  # share of sensor situations seen with fewer earlier events (deploy.corpus)
     seed: int = 0
     threads: int = 2  # torch threads
     qat_steps: int = 0  # the last N steps train through the export's INT4 rounding (deploy.qat)
@@ -98,6 +99,7 @@ class DistillConfig:
                   (self.dtype in ("float32", "bfloat16"), "dtype must be float32 or bfloat16"),
                   (self.checkpoint_every >= 1, "checkpoint_every must be >= 1"),
                   (0 <= self.qat_steps <= self.steps, "qat_steps must be in 0..steps"),
+                  (0 <= self.context_drop <= 1, "context_drop must be in 0..1"),
                   (self.qat_qtype in ("q4_0", "q4_1"), "qat_qtype must be q4_0 or q4_1")]
         for ok, message in checks:
             if not ok:
@@ -332,7 +334,7 @@ def corpus_stamp(cfg: DistillConfig) -> dict[str, Any]:
                    "sha256": {f.name: file_sha256(f) for f in sorted(cfg.teacher_adapter.iterdir()) if f.is_file()
                               and f.suffix in (".json", ".safetensors")}}
     return {"teacher": cfg.teacher.name, "teacher_size": cfg.teacher.stat().st_size if cfg.teacher.is_file() else None,
-            "adapter": adapter, "prompt_style": cfg.prompt_style, "seed": cfg.seed,
+            "adapter": adapter, "prompt_style": cfg.prompt_style, "seed": cfg.seed, "context_drop": cfg.context_drop,
             "max_answer_tokens": cfg.max_answer_tokens, "answered_by": "engine, Action JSON schema, greedy"}
 
 
@@ -365,7 +367,8 @@ def prepare_corpus(cfg: DistillConfig, log: Callable[[str], None],
         def note(done: int) -> None:
             log(f"{name}: teacher answered {done}/{n} ({time.perf_counter() - t0:.0f} s)")
         return corpus_mod.build_sensor_corpus(engine, path, n, seed, style=cfg.prompt_style,
-                                              max_tokens=cfg.max_answer_tokens, on_sample=note)
+                                              context_drop=cfg.context_drop, max_tokens=cfg.max_answer_tokens,
+                                              on_sample=note)
 
     answered = build("corpus", cfg.n_sensor, cfg.seed)
     held_out = build("eval", cfg.n_eval, cfg.seed + corpus_mod.HELD_OUT_SEED_OFFSET)
@@ -610,6 +613,7 @@ def distill(cfg: DistillConfig, *, resume: bool = True, progress: bool = True,
                    extra_config={"apiary_distill": {"teacher": str(cfg.teacher), "teacher_layers": layers,
                                                     "teacher_adapter": str(cfg.teacher_adapter or ""),
                                                     "prompt_style": cfg.prompt_style, "seed": cfg.seed,
+                                                    "context_drop": cfg.context_drop,
                                                     "qat": {"steps": cfg.qat_steps, "qtype": cfg.qat_qtype},
                                                     "steps": step, "train_tokens": report.train_tokens}})
     report.eval["task"] = task_accuracy(report.model_dir, held_out, cfg.max_answer_tokens)

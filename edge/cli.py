@@ -32,7 +32,7 @@ def run(
     site: str = typer.Option(DEFAULT_SITE, "--site", help="site name (the MQTT group): the bridge's --site"),
     device: str = typer.Option(..., "--device", help="device name: the agent serves this device's events"),
     broker: Optional[str] = typer.Option(None, "--broker", help=BROKER_HELP),
-    model: Optional[Path] = typer.Option(None, "--model", help="GGUF file; default: the registry's SmolLM2-135M Q4_1"),
+    model: Optional[Path] = typer.Option(None, "--model", help="GGUF file; default: the shipped edge image's INT4 student"),
     state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="where the SQLite inbox/outbox lives"),
     prompt_style: Optional[str] = typer.Option(None, "--prompt-style", help=STYLE_HELP),
     config: Optional[Path] = typer.Option(None, "--config", help=CONFIG_HELP),
@@ -71,7 +71,7 @@ def answer(
     flags: str = typer.Option("", "--flags", help="comma-separated threshold flags, e.g. hive_temp_high"),
     severity: str = typer.Option("warning", "--severity", help="info | warning | critical"),
     question: Optional[str] = typer.Option(None, "--question", help="an operator question"),
-    model: Optional[Path] = typer.Option(None, "--model", help="GGUF file; default: the registry model"),
+    model: Optional[Path] = typer.Option(None, "--model", help="GGUF file; default: the shipped edge image's INT4 student"),
     prompt_style: Optional[str] = typer.Option(None, "--prompt-style", help=STYLE_HELP),
     config: Optional[Path] = typer.Option(None, "--config", help=CONFIG_HELP),
 ) -> None:

@@ -83,8 +83,10 @@ class PowerProfile(_Section):
 class EdgeSettings(_Section):
     """Everything the edge agent reads from ``[edge]``."""
 
-    model_path: str | None = None  # a GGUF file; None: the registry model below
-    model_name: str = "smollm2-135m-q4"
+    model_path: str | None = None  # a GGUF file; None: the named model below
+    # A shipped signed edge image (shared.assets.SHIPPED, verified like an OTA image) or a registry
+    # model; the default is the INT4 student distilled from the cloud's tuned teacher.
+    model_name: str = "edge-student"
     # The shared.prompting style the model is asked in: "auto" (the GGUF's apiary.prompt_style metadata,
     # written by `apiary quantize` for a task-tuned model, else "examples"), "examples" or "short".
     prompt_style: str = "auto"
@@ -126,12 +128,13 @@ class EdgeSettings(_Section):
         return self
 
     def resolve_model_path(self) -> Path:
-        """The GGUF to load: ``model_path`` or the registry model (pulled and hash-checked if missing)."""
+        """The GGUF to load: ``model_path``, or ``model_name``'s verified file (a shipped edge image,
+        unpacked once; a registry model, pulled and hash-checked if missing)."""
         if self.model_path:
             return Path(self.model_path).expanduser()
         from shared import assets
 
-        return assets.ensure(self.model_name)
+        return assets.model_file(self.model_name)
 
 
 def load(path: str | Path | None = None, **explicit: Any) -> EdgeSettings:

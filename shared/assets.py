@@ -76,7 +76,27 @@ SHIPPED: dict[str, ShippedAsset] = {
             rebuild="apiary finetune --out results/finetune/teacher --steps 80 --lr 1e-3 --eval-every 80 --seed 0",
             description="LoRA adapter (rank 16, last 12 layers) tuning smollm2-135m-q4 to the sensor task; "
                         "short prompt; the cloud's default teacher",
-        )
+        ),
+        ShippedAsset(
+            name="edge-student",
+            folder="edge-student",
+            files=(("image.tar", "43ccb5d386f5a0b14d134c0c4d133cd950f292ba34438bb18aaeab99051a2a04"),
+                   ("release.pub", "21a550c4a8e7bb6a3650befb7f9f6efec80418898df131c2ed6810fb13c1a570")),
+            base="smollm2-135m-q4",
+            rebuild="apiary distill --out results/distill/edge-student --layers 12 --steps 300 --lr 6e-4 "
+                    "--n-sensor 640 --n-eval 48 --seed 0 --context-drop 0 && mkdir results/distill/edge-student-v2 && "
+                    "cp results/distill/edge-student/checkpoint.pt results/distill/edge-student-v2/ && "
+                    "apiary distill --out results/distill/edge-student-v2 --layers 12 --steps 380 --lr 6e-4 "
+                    "--n-sensor 640 --n-eval 48 --seed 0 --context-drop 0.25 && apiary quantize "
+                    "results/distill/edge-student-v2/model --out results/distill/edge-student-v2/edge-student-q4_0.gguf "
+                    "--qtype q4_0 --embed-qtype q5_0 && apiary image build "
+                    "results/distill/edge-student-v2/edge-student-q4_0.gguf --version 2026.12.0 --key RELEASE_KEY "
+                    "--out shared/models/edge-student/image.tar",
+            description="signed edge image 2026.12.0: a 12-layer student distilled from the tuned teacher "
+                        "(smollm2-135m-q4 + sensor-teacher-lora), Q4_0 blocks, Q5_0 embeddings, short prompt; "
+                        "the edge's default model",
+            kind="edge-image",
+        ),
     ]
 }
 MODELS_DIR = Path(__file__).resolve().parent / "models"
@@ -127,10 +147,11 @@ def edge_model(name: str) -> Path:
 
     from shared import image
 
+    asset = SHIPPED.get(name)
+    if asset is not None and asset.kind != "edge-image":
+        raise AssetError(f"{name} is a shipped {asset.kind}, not an edge image")
     folder = shipped(name)
-    asset = SHIPPED[name]
-    if asset.kind != "edge-image":
-        raise AssetError(f"{name} is a {asset.kind}, not an edge image")
+    assert asset is not None
     digest = dict(asset.files)[IMAGE_FILE]
     key = folder / RELEASE_KEY_FILE
     dest = cache_dir() / "images" / f"{name}-{digest[:16]}"

@@ -115,9 +115,14 @@ def test_command_defaults_write_json_and_pngs(gguf_path, tmp_path, monkeypatch):
     record = json.loads((results / "edge.json").read_text())
     _check_record(record, results)
     assert record["calibration"]["n"] == 3 and len(record["cases"]) == 9
-    assert record["edge"]["prompt_style"] == "examples" and record["cloud"]["prompt_style"] == "examples"
-    assert record["edge"]["prompt_style_source"] == "default (no apiary.prompt_style in the GGUF)"
-    assert record["cloud"]["adapter"] is None and record["cloud"]["skipped"] is None
+    # The defaults are what the demo runs: the shipped INT4 student on the edge, the tuned teacher in the cloud.
+    from shared import assets
+
+    assert Path(record["edge"]["model"]) == assets.model_file("edge-student")
+    assert record["edge"]["prompt_style"] == "short" and record["cloud"]["prompt_style"] == "short"
+    assert record["edge"]["prompt_style_source"] == "GGUF metadata apiary.prompt_style"
+    assert record["cloud"]["adapter"] == str(assets.shipped("sensor-teacher-lora"))
+    assert record["cloud"]["skipped"] is None
 
 
 @pytest.mark.timeout(1200)

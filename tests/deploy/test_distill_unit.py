@@ -239,3 +239,17 @@ def test_the_teacher_is_the_base_with_its_adapter_merged(tmp_path: Path, teacher
     torch.testing.assert_close(merged[name + ".weight"], w + 2.0 * (b @ a))
     other = "model.layers.0.self_attn.v_proj.weight"
     torch.testing.assert_close(merged[other], base.state_dict()[other])
+
+
+def test_some_situations_are_asked_with_fewer_earlier_events() -> None:
+    full = corpus.sensor_situations(40, seed=3, style="short")
+    cut = corpus.sensor_situations(40, seed=3, style="short", context_drop=0.5)
+    assert [label for _, label in cut] == [label for _, label in full]
+    changed = [(f, c) for (f, _), (c, _) in zip(full, cut) if f != c]
+    # About half are cut, drawn from the seed; cuts that keep the 3 events a prompt shows change nothing.
+    assert 3 <= len(changed) <= 20
+    for f, c in changed:  # the same event, with another (or no) change over the last minutes
+        assert f[1]["content"].splitlines()[:2] == c[1]["content"].splitlines()[:2]
+        assert f[1]["content"].splitlines()[-1] == c[1]["content"].splitlines()[-1]
+    assert any("Change over" not in c[1]["content"] for _, c in changed)
+    assert corpus.sensor_situations(40, seed=3, style="short", context_drop=0.5) == cut  # deterministic

@@ -172,3 +172,45 @@ def test_the_shipped_adapter_is_found_only_for_its_exact_base(gguf_path, tmp_pat
     same_name = tmp_path / gguf_path.name
     same_name.write_bytes(b"not the model")
     assert assets.adapter_for(same_name) is None and assets.adapter_for(tmp_path / "missing.gguf") is None
+
+
+def _ship_image(tmp_path: Path, monkeypatch, key_name: str = "release", signer: str = "release") -> str:
+    """A shipped edge image of our own (a small signed archive) registered as ``test-image``."""
+    from shared import image
+
+    keys = tmp_path / "keys"
+    for name in {key_name, signer}:
+        image.write_keypair(keys, name)
+    model = tmp_path / "student.gguf"
+    model.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    folder = tmp_path / "models" / "test-image"
+    folder.mkdir(parents=True)
+    image.build_image(folder / assets.IMAGE_FILE, model, "2026.12.0", keys / f"{signer}.key")
+    (folder / assets.RELEASE_KEY_FILE).write_text((keys / f"{key_name}.pub").read_text())
+    files = tuple((f, assets.sha256_file(folder / f)) for f in (assets.IMAGE_FILE, assets.RELEASE_KEY_FILE))
+    shipped = assets.ShippedAsset(name="test-image", folder="test-image", files=files, base=NAME,
+                                  rebuild="apiary image build ...", description="test", kind="edge-image")
+    monkeypatch.setattr(assets, "MODELS_DIR", tmp_path / "models")
+    monkeypatch.setitem(assets.SHIPPED, "test-image", shipped)
+    monkeypatch.setenv("APIARY_MODEL_DIR", str(tmp_path / "cache"))
+    return "test-image"
+
+
+def test_a_shipped_edge_image_is_verified_and_unpacked_once(tmp_path, monkeypatch) -> None:
+    name = _ship_image(tmp_path, monkeypatch)
+    path = assets.model_file(name)
+    assert path.name == "student.gguf" and path.read_bytes() == (tmp_path / "student.gguf").read_bytes()
+    assert path.is_relative_to(tmp_path / "cache" / "images")
+    mtime = path.stat().st_mtime_ns
+    assert assets.edge_model(name) == path and path.stat().st_mtime_ns == mtime  # reused, not unpacked again
+    path.write_bytes(b"GGUF tampered in the cache" + b"\0" * (len(path.read_bytes()) - 26))
+    assert assets.edge_model(name).read_bytes() == (tmp_path / "student.gguf").read_bytes()  # unpacked afresh
+    with pytest.raises(AssetError, match="not an edge image"):
+        assets.edge_model("sensor-teacher-lora")
+
+
+def test_a_shipped_edge_image_signed_by_another_key_is_refused(tmp_path, monkeypatch) -> None:
+    name = _ship_image(tmp_path, monkeypatch, key_name="release", signer="intruder")
+    with pytest.raises(AssetError, match="refused \\(signature\\)"):
+        assets.model_file(name)
+    assert not list((tmp_path / "cache" / "images").glob("*/student.gguf"))
