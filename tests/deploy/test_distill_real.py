@@ -27,7 +27,7 @@ def config(teacher: Path, out: Path, steps: int = STEPS) -> DistillConfig:
     from shared import assets
 
     return DistillConfig(teacher=teacher, teacher_adapter=assets.shipped("sensor-teacher-lora"), out=out, layers=4, steps=steps, batch_size=2, seq_len=384, lr=5e-4,
-                         warmup_steps=1, n_sensor=2, n_eval=1, n_general=2, max_answer_tokens=32,
+                         warmup_steps=1, n_sensor=2, n_eval=1, n_general=2, max_answer_tokens=64,
                          checkpoint_every=4, threads=2, qat_steps=2)
 
 
