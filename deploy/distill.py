@@ -400,29 +400,14 @@ def load_teacher(cfg: DistillConfig) -> LlamaForTraining:
 
 
 def task_accuracy(model_dir: Path, held_out: list[corpus_mod.Sample], max_tokens: int) -> dict[str, Any]:
-    """The student's accuracy on the held-out situations through the real engine (schema-constrained, greedy)."""
-    from cloud.engine import EngineConfig, LLMEngine, SamplingParams
-    from cloud.engine.sampling_params import StructuredOutput
-    from shared.prompting import ACTION_JSON_SCHEMA, parse_action
+    """The student's accuracy on the held-out situations through the real engine, beside the teacher's."""
+    from deploy.accuracy import engine_accuracy
 
     if not held_out:
         return {}
-    engine = LLMEngine(EngineConfig(model_path=model_dir, kv_cache_bytes=256 << 20, max_num_batched_tokens=4096))
-    params = SamplingParams(max_tokens=max_tokens,
-                            structured=StructuredOutput("json_schema", json.dumps(ACTION_JSON_SCHEMA)))
-    outs = engine.generate([engine.tokenizer.encode(s.prompt) for s in held_out], params)
-    per_label: dict[str, list[int]] = {}
-    right = 0
-    for s, out in zip(held_out, outs):
-        action = parse_action(out.text)
-        ok = action is not None and action.assessment == s.label
-        right += ok
-        per_label.setdefault(str(s.label), [0, 0])
-        per_label[str(s.label)][0] += ok
-        per_label[str(s.label)][1] += 1
-    return {"accuracy": right / len(held_out), "n": len(held_out),
-            "teacher_accuracy": sum(s.right for s in held_out) / len(held_out),
-            "per_label": {k: f"{a}/{b}" for k, (a, b) in sorted(per_label.items())}}
+    result = engine_accuracy(model_dir, [s.prompt for s in held_out], [str(s.label) for s in held_out],
+                             max_tokens=max_tokens)
+    return {**result, "teacher_accuracy": sum(s.right for s in held_out) / len(held_out)}
 
 
 def evaluate(student: LlamaForTraining, data: TokenData, prefix_t: Targets | None,

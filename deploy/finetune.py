@@ -244,32 +244,12 @@ def autocast_dtype(choice: str) -> torch.dtype | None:
 
 def validate(base: Path, adapter_dir: Path | None, rows: Sequence[tuple[str, Any, list[Any]]],
              max_tokens: int = 96) -> dict[str, Any]:
-    """Accuracy of the base (+ adapter) on ``rows`` through the real engine, schema-constrained and greedy."""
-    from cloud.engine import EngineConfig, LLMEngine, SamplingParams
-    from cloud.engine.sampling_params import StructuredOutput
-    from shared.prompting import ACTION_JSON_SCHEMA, build_messages, parse_action
+    """Accuracy of the base (+ adapter) on ``rows`` in the short prompt through the real engine."""
+    from deploy.accuracy import engine_accuracy
+    from shared.prompting import build_messages
 
-    engine = LLMEngine(EngineConfig(model_path=base, adapter_path=adapter_dir, kv_cache_bytes=256 << 20,
-                                    max_num_batched_tokens=2048))
-    tok = engine.tokenizer
-    params = SamplingParams(max_tokens=max_tokens,
-                            structured=StructuredOutput("json_schema", json.dumps(ACTION_JSON_SCHEMA)))
-    prompts = [tok.encode(tok.apply_chat_template([m.model_dump() for m in build_messages(e, c, style="short")]))
-               for _, e, c in rows]
-    outs = engine.generate(prompts, params)
-    per_label: dict[str, list[int]] = {}
-    right = valid = 0
-    for (label, _, _), out in zip(rows, outs):
-        action = parse_action(out.text)
-        valid += action is not None
-        ok = action is not None and action.assessment == label
-        right += ok
-        per_label.setdefault(label, [0, 0])
-        per_label[label][0] += ok
-        per_label[label][1] += 1
-    n = max(1, len(rows))
-    return {"accuracy": right / n, "valid": valid / n, "n": len(rows),
-            "per_label": {k: f"{a}/{b}" for k, (a, b) in sorted(per_label.items())}}
+    prompts = [[m.model_dump() for m in build_messages(e, c, style="short")] for _, e, c in rows]
+    return engine_accuracy(base, prompts, [label for label, _, _ in rows], adapter=adapter_dir, max_tokens=max_tokens)
 
 
 # ---------------------------------------------------------------- the run
