@@ -22,6 +22,7 @@ from torch import nn
 from cloud.engine.config import ModelConfig
 from cloud.engine.loader import Checkpoint, load_checkpoint
 from cloud.engine.model import rope_inv_freq
+from deploy.qat import fake_quant
 
 KV = tuple[torch.Tensor, torch.Tensor]  # one layer's keys and values, [batch, kv_heads, tokens, head_dim]
 TOKENIZER_META_FILE = "tokenizer_gguf.json"  # the teacher GGUF's tokenizer.* metadata, for the GGUF export
@@ -35,8 +36,6 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fake_quant is None:
             return super().forward(x)
-        from deploy.qat import fake_quant
-
         return F.linear(x, fake_quant(self.weight, self.fake_quant), self.bias)
 
 
