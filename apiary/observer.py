@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from edge.policy import rule_of
+from edge.triage import needs_answer
 from shared import topics
 from shared.config import MqttConfig
 from shared.protocol import DeviceState, Envelope, InferenceRequest, InferenceResult, SensorEvent
@@ -168,7 +169,7 @@ class MeshObserver:
             lat[r.answer.tier].append((r.answered_at - r.published_at) * 1000.0)
         anomalies = anomaly_runs(records)
         anomaly_events = [r for run in anomalies for r in run]
-        needing = [r for r in records if r.event.severity != "info" or r.event.flags or r.event.kind == "question"]
+        needing = needing_answer(records)
         # Against the simulator's ground truth: each tier's answers whose assessment names the event's label.
         graded: dict[str, list[int]] = {}
         for r in answered:
@@ -221,3 +222,16 @@ class MeshObserver:
     def tier_timeline(self) -> list[tuple[float, str]]:
         with self._lock:
             return list(self.timeline)
+
+
+def needing_answer(records: list[Any]) -> list[Any]:
+    """The records the edge answers, by the edge's own triage (``edge.triage.needs_answer``), each event
+    judged with its device's earlier events as context, in arrival order, as the agent sees them."""
+    history: dict[tuple[str, str], list[SensorEvent]] = {}
+    out = []
+    for r in records:
+        context = history.setdefault((r.event.site, r.event.device), [])
+        if needs_answer(r.event, context):
+            out.append(r)
+        context.append(r.event)
+    return out
