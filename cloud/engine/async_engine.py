@@ -78,9 +78,10 @@ class AsyncEngine:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
-                for out in self._engine.step():
+                outputs = self._engine.step()
+                self._snapshot = self._engine.metrics()  # before delivery: a caller that got its answer sees it done
+                for out in outputs:
                     self._deliver(out.request_id, out)
-                self._snapshot = self._engine.metrics()
         except BaseException as e:  # a broken engine must not leave callers waiting forever
             self._error = e
             self._stopped = True

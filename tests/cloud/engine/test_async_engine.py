@@ -41,6 +41,18 @@ def test_stream_yields_deltas_that_add_up(async_engine: AsyncEngine) -> None:
     assert [t for o in outs for t in o.new_token_ids] == outs[-1].output_token_ids
 
 
+def test_metrics_show_a_finished_request_done_when_its_caller_gets_it(async_engine: AsyncEngine) -> None:
+    """The snapshot is taken before delivery, so a caller that has its answer never sees it still running."""
+    async def main():
+        seen = []
+        for _ in range(20):
+            await async_engine.generate("hive bees queen", params=SamplingParams(max_tokens=2, ignore_eos=True))
+            seen.append(async_engine.metrics()["requests_running"])
+        return seen
+
+    assert asyncio.run(main()) == [0] * 20
+
+
 def test_concurrent_requests_match_the_blocking_engine(tiny_llama: Path, async_engine: AsyncEngine) -> None:
     texts = prompts(8, seed=4)
     params = SamplingParams(max_tokens=10)
