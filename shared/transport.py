@@ -252,6 +252,7 @@ class MqttTransport:
         for timer in retries:
             timer.cancel()
         if client is not None:
+            client.disable_logger()  # paho 2.2 logs "Client is not connected" after sending its own clean DISCONNECT
             client.disconnect()
             client.loop_stop()
         self._connected.clear()
