@@ -92,6 +92,16 @@ class EnergyBudget:
             return min(threads, p.low_threads), min(max_tokens, p.low_max_tokens)
         return threads, max_tokens
 
+    def defers_update(self, min_soc: float) -> str | None:
+        """Why an OTA update must wait now (the battery is below ``min_soc``), or None when it may go on.
+
+        A download and a health check draw the radio and the CPU for minutes, which a battery near its
+        reserve pays for with the night's sensing. No battery reading yet: not deferred (mains power, or
+        a device that does not report one)."""
+        if self.battery_soc is None or self.battery_soc >= min_soc:
+            return None
+        return f"battery at {self.battery_soc:.0%}, below the {min_soc:.0%} an update needs"
+
     def joules(self, cpu_s: float) -> float:
         return cpu_s * self.profile.cpu_watts
 

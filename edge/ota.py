@@ -13,7 +13,16 @@ One update (:meth:`OtaUpdater.handle`), each phase reported as ``OtaStatus`` on
     received -> downloading (HTTP Range resumes a kept ``.part`` file) -> downloaded
     -> verified (archive sha256, Ed25519 signature, model sha256; nothing is unpacked before)
     -> installed (into the inactive slot) -> health_check (after the atomic switch, on trial)
-    -> committed | rolled_back            or: refused (untrusted image) | failed (download)
+    -> committed | rolled_back
+    or: refused (untrusted image, a downgrade, too large, not enough disk) | failed (download)
+        | deferred (the battery is too low now; the ``.part`` file is kept for later)
+
+Before a byte is written the command must pass the device's own limits: its version may not
+be older than the running image's (anti-rollback; see :func:`version_key`), its size not
+above ``max_image_bytes`` (the stream is cut at the announced size too), and the disk must
+hold the rest of the download and the unpacked model with ``min_free_bytes`` to spare.
+Downloaded bytes are kept only to resume the same image: a refused or failed-for-good
+download is deleted, and a command for another image deletes what others left behind.
 
 The currently active slot is never written during an update, so a refused image, a
 failed download or a failed health check all leave the device running what it ran.
@@ -22,6 +31,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -48,11 +59,29 @@ class DownloadFailed(Exception):
     """The image could not be fetched completely (the partial file is kept for the next try)."""
 
 
+class DownloadDeferred(Exception):
+    """The download stopped because the device must not spend the energy now (the partial file is kept)."""
+
+
 class Publisher(Protocol):
     def publish(self, topic: str, env: Any, *, qos: int = 1, retain: bool = False, timeout: float | None = None) -> bool: ...
 
 
 HealthCheck = Callable[[Path, image.Manifest], str]  # returns a short detail, raises HealthCheckFailed
+Deferral = Callable[[], str | None]  # why an update must wait now (e.g. a low battery), None: go on
+
+
+def version_key(version: str) -> tuple[tuple[int, int | str], ...]:
+    """Order image versions: runs of digits compare as numbers, runs of letters as text, in order.
+
+    ``2026.2.0 < 2026.12.0``, ``v9 < v10``; a version that extends another sorts after it
+    (``1.0 < 1.0.1``, and also ``1.0.0 < 1.0.0-rc1``: name pre-releases below their release).
+    """
+    return tuple((1, int(p)) if p.isdigit() else (0, p) for p in re.findall(r"\d+|[A-Za-z]+", version))
+
+
+def is_older(version: str, than: str) -> bool:
+    return version_key(version) < version_key(than)
 
 
 # ---------------------------------------------------------------- boot state
@@ -183,20 +212,41 @@ PROBE_EVENT = SensorEvent(  # a plain heat-stress case, in the simulator's readi
 
 
 def probe_model(model_path: str | Path, *, max_tokens: int = 96, threads: int = 2, n_ctx: int = 2048) -> dict[str, Any]:
-    """Answer the probe event the way the agent answers events (``edge.model.LocalModel``, shared prompt in the
-    model's own style, shared parser)."""
+    """Load a model and answer the probe event with it (:func:`probe`)."""
     from edge.model import LocalModel
-    from shared.prompting import build_messages, parse_action
 
     t0 = time.perf_counter()
     model = LocalModel(model_path, n_ctx=n_ctx, threads=threads)
-    loaded = time.perf_counter()
+    try:
+        return {**probe(model, max_tokens=max_tokens), "load_s": time.perf_counter() - t0}
+    finally:
+        model.close()
+
+
+def probe(model: Any, *, max_tokens: int = 96) -> dict[str, Any]:
+    """Answer the probe event the way the agent answers events (a loaded ``edge.model.LocalModel``, shared
+    prompt in the model's own style, shared parser)."""
+    from shared.prompting import build_messages, parse_action
+
+    t0 = time.perf_counter()
     gen = model.generate(build_messages(PROBE_EVENT, style=model.prompt_style), max_tokens=max_tokens)
-    model.close()
     action = parse_action(gen.text)
-    return {"text": gen.text, "finished": gen.finished, "completion_tokens": gen.completion_tokens,
-            "load_s": loaded - t0, "answer_s": time.perf_counter() - loaded, "prompt_style": model.prompt_style,
+    return {"text": gen.text, "finished": gen.finished, "completion_tokens": gen.completion_tokens, "load_s": 0.0,
+            "answer_s": time.perf_counter() - t0, "prompt_style": model.prompt_style,
             "action": action.model_dump(mode="json") if action else None}
+
+
+def judge_probe(result: dict[str, Any], *, max_tokens: int, expect_assessment: str | None = None) -> str:
+    """The verdict on a :func:`probe` result: its detail, or :class:`HealthCheckFailed` with the reason."""
+    if not result["finished"]:
+        raise HealthCheckFailed(f"answer did not finish within {max_tokens} tokens")
+    action = result["action"]
+    if action is None:
+        raise HealthCheckFailed(f"answer is not a valid action: {result['text'][:120]!r}")
+    if expect_assessment and action["assessment"] != expect_assessment:
+        raise HealthCheckFailed(f"probe answered {action['assessment']}, expected {expect_assessment}")
+    return (f"probe answered {action['assessment']}/{action['urgency']} in {result['completion_tokens']} tokens "
+            f"(load {result['load_s']:.2f} s, answer {result['answer_s']:.2f} s)")
 
 
 @dataclass(slots=True)
@@ -228,15 +278,7 @@ class LlamaHealthCheck:
             result = json.loads(proc.stdout.strip().splitlines()[-1])
         except (ValueError, IndexError):
             raise HealthCheckFailed("probe printed no result") from None
-        if not result["finished"]:
-            raise HealthCheckFailed(f"answer did not finish within {self.max_tokens} tokens")
-        action = result["action"]
-        if action is None:
-            raise HealthCheckFailed(f"answer is not a valid action: {result['text'][:120]!r}")
-        if self.expect_assessment and action["assessment"] != self.expect_assessment:
-            raise HealthCheckFailed(f"probe answered {action['assessment']}, expected {self.expect_assessment}")
-        return (f"probe answered {action['assessment']}/{action['urgency']} in {result['completion_tokens']} tokens "
-                f"(load {result['load_s']:.2f} s, answer {result['answer_s']:.2f} s)")
+        return judge_probe(result, max_tokens=self.max_tokens, expect_assessment=self.expect_assessment)
 
 
 # ---------------------------------------------------------------- the updater
@@ -253,12 +295,20 @@ class OtaUpdater:
     def __init__(self, state_dir: str | Path, transport: Publisher | None, site: str, device: str,
                  public_key: str | bytes | Path, *, health_check: HealthCheck | None = None,
                  http_client: Any = None, max_attempts: int = 5, retry_delay_s: float = 1.0,
-                 http_timeout_s: float = 30.0) -> None:
+                 http_timeout_s: float = 30.0, max_image_bytes: int | None = None, min_free_bytes: int = 0,
+                 defer: Deferral | None = None, builtin_version: str | None = None) -> None:
+        """``max_image_bytes``: larger commands are refused (None: no limit); ``min_free_bytes``: what the
+        disk must still hold after the download and the unpacked model; ``defer``: asked before and during
+        a download; ``builtin_version``: the image the built-in model came from, the version floor while
+        no slot is active (None: unknown, any version may install)."""
         self.store = SlotStore(state_dir)
         self.transport, self.site, self.device = transport, site, device
         self.public_key = image.load_public_key(public_key)  # fail at start-up, not during an update
         self.health_check = health_check or LlamaHealthCheck()
         self.max_attempts, self.retry_delay_s, self.http_timeout_s = max_attempts, retry_delay_s, http_timeout_s
+        self.max_image_bytes, self.min_free_bytes = max_image_bytes, min_free_bytes
+        self.defer = defer or (lambda: None)
+        self.builtin_version = builtin_version
         self._client = http_client
         self._lock = threading.Lock()
         self.boot_status: OtaStatus | None = self.recover()
@@ -277,6 +327,10 @@ class OtaUpdater:
     def active_version(self) -> str | None:
         m = self.active_manifest()
         return m.image_version if m else None
+
+    def running_version(self) -> str | None:
+        """The image version the device runs: the active slot's, else the built-in model's (if known)."""
+        return self.active_version() or self.builtin_version
 
     # -- boot rule
 
@@ -312,6 +366,7 @@ class OtaUpdater:
                 return self._handle(cmd)
             except Exception as e:  # a bug or an I/O error: report it, keep the device running
                 log.exception("OTA update %s failed unexpectedly", cmd.image_version)
+                self._discard(self._archive(cmd))  # what it left is not worth resuming
                 return self._report(cmd, "failed", f"unexpected error: {e.__class__.__name__}: {e}")
 
     def _handle(self, cmd: OtaCommand) -> OtaStatus:
@@ -323,14 +378,27 @@ class OtaUpdater:
         if current and current.image_version == cmd.image_version and not state.trial:
             return self._report(cmd, "committed", "already running this image", slot=state.active)
 
-        archive = self.store.root / "downloads" / f"{cmd.image_version}-{cmd.sha256[:16]}.tar"
+        archive = self._archive(cmd)
+        self._sweep_downloads(keep=archive)
+        refusal = self._refusal(cmd, archive)
+        if refusal is not None:
+            self._discard(archive)
+            return self._report(cmd, "refused", refusal)
+        why = self.defer()
+        if why is not None:
+            return self._report(cmd, "deferred", f"{why}; taken up again when it recovers")
         try:
             self._fetch(cmd, archive)
         except DownloadFailed as e:
             return self._report(cmd, "failed", f"download failed, partial file kept for resume: {e}")
+        except DownloadDeferred as e:
+            return self._report(cmd, "deferred", f"download paused, partial file kept for resume: {e}")
         except image.ImageError as e:
             self._discard(archive)
             return self._report(cmd, "refused", f"{e.reason}: {e}")
+        except OSError as e:  # the disk filled up under us (other writers), or it failed
+            self._discard(archive)
+            return self._report(cmd, "failed", f"could not store the download: {e}")
         self._report(cmd, "downloaded", f"{cmd.size} bytes", progress=1.0)
 
         try:
@@ -365,6 +433,37 @@ class OtaUpdater:
         self.store.write(BootState(active=target, previous=old, trial=False))
         return self._report(cmd, "committed", detail, slot=target)
 
+    def _archive(self, cmd: OtaCommand) -> Path:
+        return self.store.root / "downloads" / f"{cmd.image_version}-{cmd.sha256[:16]}.tar"
+
+    def _sweep_downloads(self, keep: Path) -> None:
+        """Delete what downloads of other images left (a partial file is resumed only by its own image)."""
+        for path in (self.store.root / "downloads").iterdir():
+            if path not in (keep, keep.with_name(keep.name + ".part")) and path.is_file():
+                log.info("removing %s: left by an update to another image", path.name)
+                path.unlink(missing_ok=True)
+
+    def _refusal(self, cmd: OtaCommand, archive: Path) -> str | None:
+        """Why the device will not take this image whatever its signature says, checked before any download."""
+        running = self.running_version()
+        if running is not None and is_older(cmd.image_version, running):
+            return (f"downgrade: {cmd.image_version} is older than the running {running} (anti-rollback; "
+                    f"publish the wanted model as a newer version)")
+        if self.max_image_bytes is not None and cmd.size > self.max_image_bytes:
+            return f"too large: {cmd.size} bytes, this device takes images up to {self.max_image_bytes} bytes"
+        part = archive.with_name(archive.name + ".part")
+        have = next((p.stat().st_size for p in (archive, part) if p.is_file()), 0)
+        to_download = max(0, cmd.size - have)
+        slot = self.store.slot_dir(self.store.inactive(self.store.read()))
+        reclaimed = sum(p.stat().st_size for p in slot.iterdir() if p.is_file()) if slot.is_dir() else 0
+        to_unpack = max(0, cmd.size - reclaimed)  # unpacking replaces the inactive slot's files
+        need = to_download + to_unpack + self.min_free_bytes
+        free = shutil.disk_usage(self.store.root).free
+        if free < need:
+            return (f"disk: {free} bytes free, the update needs {need} ({to_download} to download, {to_unpack} to "
+                    f"unpack, {self.min_free_bytes} kept free for the device's store)")
+        return None
+
     def _fetch(self, cmd: OtaCommand, archive: Path) -> None:
         if archive.is_file() and archive.stat().st_size == cmd.size:
             return  # fetched before (e.g. a restart between download and verify)
@@ -372,6 +471,9 @@ class OtaUpdater:
         last = [-1.0]
 
         def progress(n: int) -> None:
+            why = self.defer()
+            if why is not None:
+                raise DownloadDeferred(f"{why} at {n}/{cmd.size} bytes")
             frac = n / cmd.size if cmd.size else 1.0
             if frac - last[0] >= 0.1 or (n == cmd.size and last[0] < 1.0):
                 last[0] = frac

@@ -178,7 +178,7 @@ class DeviceState(_Body):
     battery_v: Finite | None = None
     solar_w: Finite | None = None
     model_version: str | None = None
-    image_version: str | None = None
+    image_version: str | None = None  # the signed edge image the running model came from (None: not from one)
     budget_tokens_per_hour: Finite | None = None
     counters: dict[str, Int64] = Field(default_factory=dict)
 
@@ -196,6 +196,7 @@ class OtaCommand(_Body):
 OtaPhase = Literal[
     "received", "downloading", "downloaded", "verified", "installed", "health_check",
     "committed", "rolled_back", "refused", "failed",
+    "deferred",  # the battery is too low for an update now; the device takes it up again when it recovers
 ]
 
 

@@ -103,3 +103,12 @@ def test_nan_readings_are_ignored() -> None:
     b, _ = budget()
     b.observe({"battery_v": float("nan"), "solar_w": float("nan")})
     assert b.battery_soc is None and b.solar_w is None
+
+
+def test_an_update_waits_for_the_battery_not_for_a_missing_reading() -> None:
+    b, _ = budget()
+    assert b.defers_update(0.4) is None  # no battery reading: mains power or no gauge, never deferred
+    b.observe({"battery_v": 3.5})  # soc 0.12
+    assert b.defers_update(0.4) == "battery at 12%, below the 40% an update needs"
+    b.observe({"battery_v": 3.8})  # soc 0.55
+    assert b.defers_update(0.4) is None and b.defers_update(0.6) is not None

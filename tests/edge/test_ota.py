@@ -465,3 +465,118 @@ def test_probe_asks_the_model_in_its_own_prompt_style(ggufs: dict[str, Path]) ->
     for name, style in (("short", "short"), ("plain", "examples")):
         result = probe_model(ggufs[name], max_tokens=4, threads=1)
         assert result["prompt_style"] == style and result["completion_tokens"] <= 4, name
+
+
+# ---------------------------------------------------------------- device safety: refused before a byte is written
+
+
+def test_image_versions_order_by_their_numbers() -> None:
+    from edge.ota import is_older, version_key
+
+    assert is_older("2026.2.0", "2026.12.0") and not is_older("2026.12.0", "2026.2.0")
+    assert is_older("v9", "v10") and is_older("1.0", "1.0.1") and not is_older("1.0.0", "1.0.0")
+    assert sorted(["2.0.0", "10.0.0", "1.9.9", "2026.1.0"], key=version_key) == ["1.9.9", "2.0.0", "10.0.0", "2026.1.0"]
+
+
+def test_a_downgrade_is_refused_before_any_download(tmp_path: Path, server: FileServer, keys: tuple[Path, Path]) -> None:
+    v1, v2 = small_image(tmp_path, keys[0], "2026.1.0"), small_image(tmp_path, keys[0], "2026.2.0")
+    server.files.update({"v1.tar": v1.path, "v2.tar": v2.path})
+    state = tmp_path / "state"
+    assert updater(state, keys[1], health_check=ok_check).handle(command(v2, server.url("v2.tar"))).phase == "committed"
+    before_slots, before_boot, requests = tree_digest(state / "slots"), (state / "boot.json").read_bytes(), len(server.requests)
+    rec = Recorder()
+    final = updater(state, keys[1], rec, health_check=ok_check).handle(command(v1, server.url("v1.tar")))
+    assert final.phase == "refused" and "downgrade: 2026.1.0 is older than the running 2026.2.0" in final.detail
+    assert rec.phases == ["received", "refused"] and len(server.requests) == requests  # not even downloaded
+    assert tree_digest(state / "slots") == before_slots and (state / "boot.json").read_bytes() == before_boot
+    assert not list((state / "downloads").iterdir())
+
+
+def test_the_built_in_models_image_is_the_floor_until_a_slot_is_active(tmp_path: Path, server: FileServer,
+                                                                       keys: tuple[Path, Path]) -> None:
+    old, new = small_image(tmp_path, keys[0], "2026.2.0"), small_image(tmp_path, keys[0], "2026.12.1")
+    server.files.update({"old.tar": old.path, "new.tar": new.path})
+    ota = updater(tmp_path / "state", keys[1], health_check=ok_check, builtin_version="2026.12.0")
+    assert ota.running_version() == "2026.12.0"
+    refused = ota.handle(command(old, server.url("old.tar")))
+    assert refused.phase == "refused" and "older than the running 2026.12.0" in refused.detail and not server.requests
+    assert ota.handle(command(new, server.url("new.tar"))).phase == "committed"
+    assert ota.running_version() == "2026.12.1"
+
+
+def test_an_image_over_the_device_limit_is_refused_before_a_byte_is_written(tmp_path: Path, server: FileServer,
+                                                                           keys: tuple[Path, Path]) -> None:
+    info = small_image(tmp_path, keys[0], "1.0.0")
+    server.files["img.tar"] = info.path
+    state = tmp_path / "state"
+    final = updater(state, keys[1], health_check=ok_check, max_image_bytes=info.size - 1).handle(
+        command(info, server.url("img.tar")))
+    assert final.phase == "refused" and f"too large: {info.size} bytes" in final.detail
+    assert not server.requests and not list((state / "downloads").iterdir()) and not (state / "boot.json").exists()
+    # At the limit it installs: the limit is the command's size, and the stream is cut at that size.
+    assert updater(state, keys[1], health_check=ok_check, max_image_bytes=info.size).handle(
+        command(info, server.url("img.tar"))).phase == "committed"
+
+
+def test_an_update_the_disk_cannot_hold_with_the_stores_margin_is_refused(tmp_path: Path, server: FileServer,
+                                                                         keys: tuple[Path, Path]) -> None:
+    info = small_image(tmp_path, keys[0], "1.0.0")
+    server.files["img.tar"] = info.path
+    state = tmp_path / "state"
+    (state / "downloads").mkdir(parents=True)
+    part = state / "downloads" / f"1.0.0-{info.sha256[:16]}.tar.part"
+    part.write_bytes(info.path.read_bytes()[:1000])  # an earlier interrupted try of this very image
+    margin = shutil.disk_usage(tmp_path).total  # more than any disk has free: the disk is "full" for this update
+    rec = Recorder()
+    final = updater(state, keys[1], rec, health_check=ok_check, min_free_bytes=margin).handle(
+        command(info, server.url("img.tar")))
+    assert final.phase == "refused" and final.detail.startswith("disk: ")
+    assert f"{info.size - 1000} to download, {info.size} to unpack, {margin} kept free" in final.detail
+    assert rec.phases == ["received", "refused"] and not server.requests
+    assert not list((state / "downloads").iterdir())  # no .part left behind
+
+
+def test_a_low_battery_defers_the_update_and_pauses_a_download_which_resumes_later(
+        tmp_path: Path, server: FileServer, keys: tuple[Path, Path]) -> None:
+    from edge.energy import EnergyBudget
+
+    info = small_image(tmp_path, keys[0], "1.0.0")
+    server.files["img.tar"] = info.path
+    budget = EnergyBudget()
+    budget.observe({"battery_v": 3.5})  # 12 %
+    asked: list[str | None] = []
+
+    def defer() -> str | None:
+        if len(asked) == 2:
+            budget.observe({"battery_v": 3.55})  # the sun set again while the download ran
+        asked.append(budget.defers_update(0.4))
+        return asked[-1]
+
+    state = tmp_path / "state"
+    rec = Recorder()
+    ota = updater(state, keys[1], rec, health_check=ok_check, defer=defer)
+    first = ota.handle(command(info, server.url("img.tar")))
+    assert first.phase == "deferred" and "battery at 12%, below the 40%" in first.detail
+    assert not server.requests and not (state / "boot.json").exists()
+    budget.observe({"battery_v": 3.9})  # 70 %: the update may start...
+    second = ota.handle(command(info, server.url("img.tar")))  # ...and pauses at its first chunk
+    assert second.phase == "deferred" and "download paused, partial file kept" in second.detail, second.detail
+    kept = next((state / "downloads").glob("*.part")).stat().st_size
+    assert 0 < kept < info.size
+    budget.observe({"battery_v": 4.0})
+    third = ota.handle(command(info, server.url("img.tar")))
+    assert third.phase == "committed", third.detail
+    assert server.requests == [("img.tar", None), ("img.tar", f"bytes={kept}-")]  # resumed where it paused
+    assert [p for p in rec.phases if p != "received"] == ["deferred", "deferred", "downloaded", "verified",
+                                                          "installed", "health_check", "committed"]
+
+
+def test_what_a_download_of_another_image_left_is_deleted(tmp_path: Path, server: FileServer,
+                                                          keys: tuple[Path, Path]) -> None:
+    info = small_image(tmp_path, keys[0], "2.0.0")
+    server.files["img.tar"] = info.path
+    downloads = tmp_path / "state" / "downloads"
+    downloads.mkdir(parents=True)
+    (downloads / f"1.0.0-{'ab' * 8}.tar.part").write_bytes(b"x" * 5000)  # a version never finished
+    final = updater(tmp_path / "state", keys[1], health_check=ok_check).handle(command(info, server.url("img.tar")))
+    assert final.phase == "committed" and not list(downloads.iterdir())
