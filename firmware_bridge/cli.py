@@ -209,6 +209,7 @@ def simulate_run(
     import json
     import signal
     import threading
+    import time
 
     from firmware_bridge.errors import BridgeError
     from firmware_bridge.simulator import DAY, HOUR, Fleet, PtySink, UdpSink, emit
@@ -218,7 +219,7 @@ def simulate_run(
         typer.echo("error: choose exactly one of --udp, --pty, --serial, --out, --broker", err=True)
         raise typer.Exit(2)
     try:
-        fleet = Fleet(sites, devices, seed=seed, interval_s=interval)
+        fleet = Fleet(sites, devices, seed=seed, interval_s=interval, boot=int(time.time()))
         for spec in inject:
             kind, device, hours = _parse_inject(spec)
             fleet.inject(kind, device, fleet.t + hours * HOUR)

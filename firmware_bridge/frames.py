@@ -14,6 +14,10 @@ value's width (1, 2, 4 or 8 bytes), so a decoder skips codes it does not know wi
 length byte: that is the forward-compatibility rule. Values are scaled integers (a
 microcontroller never formats floats); the type's extreme value means "sensor not
 available".
+
+One entry is not a reading: ``0x8A``, the device's **boot counter** (u32, +1 at every boot, kept in
+flash). It tells a device that rebooted and counts again from a low sequence number from someone
+replaying its old frames. Older decoders skip it like any unknown code, so it needs no new version.
 """
 from __future__ import annotations
 
@@ -36,6 +40,8 @@ MAX_BODY = 255
 MAX_FRAME = HEADER_SIZE + MAX_BODY + CRC_SIZE
 MAX_VERSION = 15  # a candidate claiming a larger version is noise, not a future frame
 _CRC = struct.Struct("<H")
+BOOT_CODE = 0x8A  # u32 boot counter: a 4-byte entry in the readings area, not a reading
+_BOOT = "\0boot"  # its slot name in a cached layout (no reading can be called that)
 
 
 def crc16(data: bytes | bytearray | memoryview) -> int:
@@ -105,12 +111,14 @@ class Frame:
     missing: tuple[str, ...] = ()
     unknown: int = 0
     version: int = VERSION
+    boot: int | None = None  # the device's boot counter, when its firmware sends one
 
 
 def encode_frame(device_id: int, seq: int, timestamp: int, readings: Mapping[str, float | None], *,
-                 extra: Iterable[tuple[int, bytes]] = (), version: int = VERSION) -> bytes:
+                 extra: Iterable[tuple[int, bytes]] = (), version: int = VERSION, boot: int | None = None) -> bytes:
     """Readings to one frame. ``None`` encodes "sensor not available"; ``extra`` appends raw
-    (code, value) readings, e.g. types newer than this encoder, and is validated only for width."""
+    (code, value) readings, e.g. types newer than this encoder, and is validated only for width;
+    ``boot`` adds the boot counter entry."""
     if not 0 <= device_id <= 0xFFFF:
         raise FrameError(f"device_id {device_id} does not fit u16")
     if not 0 <= seq <= 0xFFFFFFFF:
@@ -120,6 +128,10 @@ def encode_frame(device_id: int, seq: int, timestamp: int, readings: Mapping[str
     if not 1 <= version <= MAX_VERSION:
         raise FrameError(f"version {version} outside 1..{MAX_VERSION}")
     parts = [FIXED_BODY.pack(device_id, seq, timestamp)]
+    if boot is not None:
+        if not 0 <= boot <= 0xFFFFFFFF:
+            raise FrameError(f"boot counter {boot} does not fit u32")
+        parts.append(struct.pack("<BI", BOOT_CODE, boot))
     for name, value in readings.items():
         t = BY_NAME.get(name)
         if t is None:
@@ -176,7 +188,8 @@ class _Layout:
 
     struct: struct.Struct
     codes: tuple[int, ...]
-    slots: tuple[tuple[str, int, int] | None, ...]  # (name, divisor, sentinel), None for an unknown code
+    slots: tuple[tuple[str, int, int] | None, ...]  # (name, divisor, sentinel), None for an unknown code;
+    # the boot counter's slot is (_BOOT, 1, -1)
     unknown: int
 
 
@@ -196,13 +209,16 @@ def parse_body(version: int, buf: bytes | bytearray, start: int, end: int) -> Fr
         if values[3::2] == lay.codes:
             readings: dict[str, float] = {}
             missing: list[str] = []
+            boot = None
             for slot, raw in zip(lay.slots, values[4::2]):
                 if slot is not None:
-                    if raw == slot[2]:
+                    if slot[0] is _BOOT:
+                        boot = raw
+                    elif raw == slot[2]:
                         missing.append(slot[0])
                     else:
                         readings[slot[0]] = raw / slot[1]
-            return Frame(values[0], values[1], values[2], readings, tuple(missing), lay.unknown, version)
+            return Frame(values[0], values[1], values[2], readings, tuple(missing), lay.unknown, version, boot)
     return _parse_slow(version, buf, start, end)
 
 
@@ -211,6 +227,7 @@ def _parse_slow(version: int, buf: bytes | bytearray, start: int, end: int) -> F
     readings: dict[str, float] = {}
     missing: list[str] = []
     unknown = 0
+    boot: int | None = None
     fmt, codes, slots = ["<HII"], [], []
     pos = start + MIN_BODY
     while pos < end:
@@ -220,7 +237,13 @@ def _parse_slow(version: int, buf: bytes | bytearray, start: int, end: int) -> F
             raise FrameError(f"reading 0x{code:02x} at byte {pos - start} runs past the end of the frame")
         t = BY_CODE.get(code)
         codes.append(code)
-        if t is None:
+        if code == BOOT_CODE:
+            if boot is not None:
+                raise FrameError("the boot counter appears twice")
+            boot = struct.unpack_from("<I", buf, pos + 1)[0]
+            fmt.append("BI")
+            slots.append((_BOOT, 1, -1))
+        elif t is None:
             unknown += 1
             fmt.append("B" + _WIDTH_FMT[width])
             slots.append(None)
@@ -237,4 +260,4 @@ def _parse_slow(version: int, buf: bytes | bytearray, start: int, end: int) -> F
         pos += 1 + width
     if len(_layouts) < 256:
         _layouts[end - start] = _Layout(struct.Struct("".join(fmt)), tuple(codes), tuple(slots), unknown)
-    return Frame(device_id, seq, timestamp, readings, tuple(missing), unknown, version)
+    return Frame(device_id, seq, timestamp, readings, tuple(missing), unknown, version, boot)

@@ -300,7 +300,9 @@ class Fleet:
 
     def __init__(self, sites: int = 2, devices_per_site: int = 4, *, seed: int = 0, start: float = DEFAULT_START,
                  interval_s: float = 300.0, first_device_id: int = 1, climate_c: float = 0.0,
-                 noise_scale: float = 1.0) -> None:
+                 noise_scale: float = 1.0, boot: int | None = None) -> None:
+        """``boot``: the boot counter every frame carries (firmware keeps one in flash; ``apiary simulate run``
+        uses its start time, so a bridge that remembers earlier runs sees a reboot, not a replay)."""
         if sites < 1 or devices_per_site < 1:
             raise BridgeError("a fleet needs at least one site and one device per site")
         if not 0 <= first_device_id or first_device_id + sites * devices_per_site - 1 > 0xFFFF:
@@ -310,6 +312,7 @@ class Fleet:
         if noise_scale < 0:
             raise BridgeError("noise_scale must be >= 0")
         self.rng = random.Random(seed)
+        self.boot = boot
         self.interval_s = interval_s
         self.t = float(start)
         self.hives: list[VirtualHive] = []
@@ -403,7 +406,7 @@ class Fleet:
         hive.seq = (hive.seq + 1) & 0xFFFFFFFF
         label = anomaly.kind if anomaly is not None else "normal"
         self._record(hive.device_id, hive.seq, label)
-        data = encode_frame(hive.device_id, hive.seq, int(t), readings)
+        data = encode_frame(hive.device_id, hive.seq, int(t), readings, boot=self.boot)
         return SimFrame(hive.device_id, hive.site, hive.seq, int(t), readings, label, data)
 
     def _record(self, dev: int, seq: int, label: str) -> None:
