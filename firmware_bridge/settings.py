@@ -26,6 +26,9 @@ from shared.topics import DEFAULT_SITE
 
 from firmware_bridge.thresholds import Thresholds
 
+DEFAULT_STATE_DIR = ".apiary/bridge"
+DURABLE_ROLES = ("serial", "udp")  # a capture file is replayed on purpose, so `replay` keeps no windows by default
+
 Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
 
 
@@ -42,6 +45,10 @@ class BridgeSettings(BaseModel):
     state_interval_s: float = Field(default=10.0, gt=0)  # how often counters are published
     idle_timeout_s: float = Field(default=0.25, gt=0)  # serial: a line this quiet ends any partial frame
     thresholds: Thresholds = Field(default_factory=Thresholds)
+    # where the bridge keeps sequence windows and spilled frames (<state_dir>/<name>.db); None: memory only.
+    # The serial and UDP commands default it to DEFAULT_STATE_DIR.
+    state_dir: str | None = None
+    spill_budget_mb: float = Field(default=256.0, gt=0)  # disk for frames past buffer_size; oldest dropped beyond
 
     def site_of(self, device_id: int) -> str:
         return self.sites.get(device_id, self.default_site)
@@ -61,8 +68,12 @@ def load_settings(path: str | Path | None = None, *, environ: dict[str, str] | N
                   **explicit: Any) -> BridgeSettings:
     """``[bridge]`` from the config file, then ``APIARY__BRIDGE__*`` variables (``environ``, default
     ``os.environ``), then ``explicit`` (``None`` values ignored); a name set by none of them is
-    ``default_name(role)`` when a ``role`` is given. Raises ``shared.config.ConfigError``."""
+    ``default_name(role)`` when a ``role`` is given, and ``state_dir`` set by none of them is
+    ``DEFAULT_STATE_DIR`` for the serial and UDP roles. Raises ``shared.config.ConfigError``."""
     settings = load_section("bridge", BridgeSettings, path, environ=environ, **explicit)
+    update: dict[str, Any] = {}
     if role is not None and "name" not in settings.model_fields_set:
-        settings = settings.model_copy(update={"name": default_name(role)})
-    return settings
+        update["name"] = default_name(role)
+    if role in DURABLE_ROLES and "state_dir" not in settings.model_fields_set:
+        update["state_dir"] = DEFAULT_STATE_DIR
+    return settings.model_copy(update=update) if update else settings

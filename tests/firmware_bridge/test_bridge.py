@@ -12,6 +12,7 @@ import pytest
 from firmware_bridge.bridge import Bridge, death_will
 from firmware_bridge.frames import encode_frame
 from firmware_bridge.settings import BridgeSettings
+from firmware_bridge.store import BridgeStore
 from shared import topics
 from shared.protocol import DeviceState, Envelope, SensorEvent, Severity, decode, encode
 
@@ -75,7 +76,13 @@ def link():
 
 def make_bridge(link, **kw) -> Bridge:
     truth = kw.pop("truth_lookup", None)
-    return Bridge(BridgeSettings(**{"sites": {7: "orchard"}, **kw}), link, truth_lookup=truth, session=11).start()
+    store = kw.pop("store", None)
+    return Bridge(BridgeSettings(**{"sites": {7: "orchard"}, **kw}), link, truth_lookup=truth, session=11,
+                  store=store).start()
+
+
+def durable_bridge(link, tmp_path, budget=1 << 24, **kw) -> Bridge:
+    return make_bridge(link, store=BridgeStore(tmp_path / "bridge.db", spill_budget_bytes=budget), **kw)
 
 
 @pytest.mark.timeout(30)
@@ -216,3 +223,79 @@ def test_datagrams_do_not_carry_partial_frames_over(link):
     c = bridge.counters()
     assert c["truncated"] >= 1 and c["frames_ok"] == 2 and c["duplicates"] == 0
     bridge.stop()
+
+
+@pytest.mark.timeout(60)
+def test_past_the_memory_buffer_frames_spill_to_disk_and_none_is_dropped(link, tmp_path):
+    """A burst past buffer_size used to drop frames with the broker up or down (#15, observation 7)."""
+    bridge = durable_bridge(link, tmp_path, buffer_size=10)
+    link.set_link(False)
+    for seq in range(1000):
+        assert bridge.feed(encode_frame(7, seq, 1000 + seq, READINGS)) == 1
+    c = bridge.counters()
+    assert (c["buffered"], c["spilled"], c["dropped"]) == (10, 990, 0)
+    link.set_link(True)
+    assert wait_for(lambda: len(link.events()) == 1000, timeout=30)
+    assert [e.seq for _, e in link.events()] == list(range(1000))
+    assert bridge.stop() and bridge.counters()["spilled"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_frames_unpublished_at_stop_are_published_by_the_next_start_in_order(link, tmp_path):
+    bridge = durable_bridge(link, tmp_path, buffer_size=10)
+    link.set_link(False)
+    bridge.feed(b"".join(encode_frame(7, seq, 1000 + seq, READINGS) for seq in range(30)))
+    assert not bridge.stop(drain_timeout=0.2)  # the link is down: kept on disk, not lost
+    again = durable_bridge(MemoryLink(up=False), tmp_path, buffer_size=10)
+    again.feed(encode_frame(7, 30, 1030, READINGS))
+    again.feed(encode_frame(7, 5, 1005, READINGS))  # published before? no, but already accepted: a duplicate
+    assert again.counters()["duplicates"] == 1
+    again.transport.set_link(True)
+    assert wait_for(lambda: len(again.transport.events()) == 31, timeout=30)
+    assert [e.seq for _, e in again.transport.events()] == list(range(31))
+    assert again.stop()
+
+
+@pytest.mark.timeout(60)
+def test_replayed_frames_are_never_published_twice_even_after_a_restart(link, tmp_path):
+    """Replaying seq 1-50 after seq 500 re-published all 50 (#15, observation 6)."""
+    bridge = durable_bridge(link, tmp_path)
+    recorded = [encode_frame(7, seq, 1_750_000_000 + seq, READINGS) for seq in range(451, 501)]
+    old = [encode_frame(7, seq, 1_749_000_000 + seq, READINGS) for seq in range(1, 51)]
+    bridge.feed(b"".join(recorded))
+    bridge.feed(b"".join(old))
+    assert wait_for(lambda: len(link.events()) == 50) and bridge.wait_idle(5)
+    assert bridge.counters()["replayed"] == 50
+    assert bridge.stop()
+    fresh = MemoryLink()
+    again = durable_bridge(fresh, tmp_path)
+    again.feed(b"".join(recorded) + b"".join(old))  # the same frames after a bridge restart
+    again.feed(encode_frame(7, 501, 1_750_000_501, READINGS))
+    again.feed(encode_frame(7, 0, 1_750_000_900, READINGS, boot=1))  # a reboot the device says it had
+    again.feed(encode_frame(7, 500, 1_750_000_500, READINGS))  # and the boot before it is over
+    assert wait_for(lambda: len(fresh.events()) == 2) and again.wait_idle(5)
+    time.sleep(0.1)
+    assert [e.seq for _, e in fresh.events()] == [501, 0]
+    c = again.counters()
+    assert (c["duplicates"], c["replayed"], c["restarts"]) == (50, 51, 1)
+    assert again.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_full_disk_drops_loudly_and_the_bridge_keeps_going(link, tmp_path, caplog):
+    bridge = durable_bridge(link, tmp_path, buffer_size=5)
+    link.set_link(False)
+    pages = bridge.store._db.execute("PRAGMA page_count").fetchone()[0]
+    bridge.store._db.execute(f"PRAGMA max_page_count = {pages}")  # the disk is full from now on
+    with caplog.at_level("ERROR"):
+        for seq in range(200):
+            bridge.feed(encode_frame(7, seq, 1000 + seq, READINGS))
+    c = bridge.counters()
+    assert c["buffered"] == 5 and c["dropped"] + c["spilled"] == 195 and c["dropped"] > 0
+    assert any("frames dropped" in r.getMessage() for r in caplog.records)
+    bridge.store._db.execute("PRAGMA max_page_count = 1000000")  # space again
+    bridge.feed(encode_frame(7, 500, 1500, READINGS))
+    link.set_link(True)
+    assert wait_for(lambda: len(link.events()) == 6 + c["spilled"], timeout=30)
+    assert [e.seq for _, e in link.events()][-1] == 500
+    assert bridge.stop()

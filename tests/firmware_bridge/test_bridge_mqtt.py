@@ -178,6 +178,72 @@ def test_broker_outage_is_buffered_then_delivered(mosquitto, collector):
     assert len(births) >= 2 and all(s.role == "bridge" and s.online for s in births)  # re-born after the outage
 
 
+@pytest.mark.timeout(180)
+def test_a_burst_of_20000_frames_with_the_broker_up_loses_nothing(mosquitto, collector, tmp_path):
+    """The in-memory buffer used to drop 3,792 of a 20,000-frame burst (#15, observation 7): past it frames
+    now spill to the bridge's SQLite file and leave from there in order."""
+    fleet, frames = sim_frames(20_000, seed=13)
+    settings = BridgeSettings(name="burst-bridge", sites=fleet.sites(), buffer_size=500, state_dir=str(tmp_path))
+    bridge = connect(settings, mosquitto.config, truth_lookup=fleet.truth)
+    try:
+        peak_spilled = 0
+        for i in range(0, len(frames), 50):
+            bridge.feed(b"".join(f.data for f in frames[i:i + 50]))
+            peak_spilled = max(peak_spilled, bridge.counters()["spilled"])
+        events = collector.wait(len(frames), timeout=150)
+    finally:
+        bridge.stop()
+    assert peak_spilled > 0  # the burst did outrun the memory buffer
+    assert_exactly_once_in_order(events, frames, fleet)
+    c = bridge.counters()
+    assert (c["dropped"], c["published"], c["spilled"]) == (0, 20_000, 0)
+
+
+@pytest.mark.timeout(120)
+def test_the_udp_bridge_remembers_what_it_published_across_a_kill_9(mosquitto, collector, tmp_path):
+    """The real `apiary bridge udp` process, killed and restarted: a replay of frames it already published is
+    dropped, and the device's next frame and a reboot it reports still go through."""
+    import signal
+    import subprocess
+    import sys
+
+    from firmware_bridge.frames import encode_frame
+
+    readings = {"hive_temp_c": 34.5, "battery_v": 3.9}
+    recorded = [encode_frame(3, seq, 1_750_000_000 + seq, readings, boot=4) for seq in range(100, 120)]
+
+    def run_bridge():
+        proc = subprocess.Popen([sys.executable, "-m", "apiary", "bridge", "udp", "--host", "127.0.0.1", "--port",
+                                 "0", "--broker", mosquitto.config.url, "--name", "kill-bridge", "--site", "north"],
+                                cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        line = proc.stdout.readline()
+        assert "listening on udp://" in line, line
+        return proc, UdpSink("127.0.0.1", int(line.split("udp://127.0.0.1:")[1].split(";")[0]))
+
+    proc, sink = run_bridge()
+    try:
+        for data in recorded:
+            sink(data)
+        assert len(collector.wait(20)) == 20
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        sink.close()
+        proc, sink = run_bridge()
+        for data in recorded:  # replayed after the restart
+            sink(data)
+        sink(encode_frame(3, 120, 1_750_000_120, readings, boot=4))
+        sink(encode_frame(3, 0, 1_750_000_200, readings, boot=5))
+        events = collector.wait(22)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+        sink.close()
+    assert [e.seq for e in events] == list(range(100, 121)) + [0]
+    counters = json.loads(out.strip().splitlines()[-1])
+    assert (counters["duplicates"], counters["restarts"], counters["published"]) == (20, 1, 2)
+    assert (tmp_path / ".apiary" / "bridge" / "kill-bridge.db").is_file()
+
+
 @pytest.mark.timeout(60)
 def test_retained_birth_then_death(mosquitto):
     bridge = connect(BridgeSettings(name="state-bridge", default_site="north"), mosquitto.config)
@@ -251,7 +317,7 @@ def test_cli_rejects_bad_input(tmp_path):
 
 
 @pytest.mark.timeout(90)
-def test_killed_bridge_process_leaves_a_retained_death(mosquitto):
+def test_killed_bridge_process_leaves_a_retained_death(mosquitto, tmp_path):
     """SIGKILL the real `apiary bridge udp` process: the broker publishes its Last Will."""
     import signal
     import subprocess
@@ -259,7 +325,7 @@ def test_killed_bridge_process_leaves_a_retained_death(mosquitto):
 
     proc = subprocess.Popen([sys.executable, "-m", "apiary", "bridge", "udp", "--host", "127.0.0.1", "--port", "0",
                              "--broker", mosquitto.config.url, "--name", "lwt-bridge", "--site", "north"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     watcher = Collector(mosquitto.config, "lwt-watcher")
     try:
         deadline = time.monotonic() + 60

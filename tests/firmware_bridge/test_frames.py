@@ -21,6 +21,8 @@ GOLDEN = [
     (dict(device_id=65535, seq=0xFFFFFFFF, timestamp=0xFFFFFFFF, readings={"hive_temp_c": None, "battery_v": 3.7},
           extra=[(0x0A, b"\x05"), (0xCB, bytes(range(8)))]),
      "bee5011bffffffffffffffffffff41008048740e0a05cb0001020304050607fa1d"),
+    (dict(device_id=1, seq=0, timestamp=0, readings={}, boot=5),  # the boot counter: entry 0x8a, u32
+     "bee5010f010000000000000000008a05000000d3d8"),
 ]
 
 
@@ -81,6 +83,20 @@ def test_unknown_types_of_every_width_are_skipped():
     f = F.decode_frame(F.encode_frame(1, 1, 1, {"hive_temp_c": 30.0, "battery_v": 4.0}, extra=extra))
     assert f.readings == {"hive_temp_c": 30.0, "battery_v": 4.0}
     assert f.unknown == 4
+
+
+def test_boot_counter_is_read_by_new_decoders_and_skipped_by_old_ones():
+    data = F.encode_frame(9, 3, 7, {"battery_v": 3.9}, boot=0xFFFFFFFF)
+    for _ in range(2):  # the second decode takes the cached-layout path
+        f = F.decode_frame(data)
+        assert (f.boot, f.readings, f.unknown, f.missing) == (0xFFFFFFFF, {"battery_v": 3.9}, 0, ())
+    assert F.decode_frame(F.encode_frame(9, 3, 7, {"battery_v": 3.9})).boot is None
+    # a decoder from before the counter skips it as an unknown 4-byte entry (the code's top bits say 4 bytes)
+    assert F.BOOT_CODE not in F.BY_CODE and F.width_of(F.BOOT_CODE) == 4
+    with pytest.raises(FrameError, match="boot counter appears twice"):
+        F.decode_frame(F.encode_frame(9, 3, 7, {}, boot=1, extra=[(F.BOOT_CODE, bytes(4))]))
+    with pytest.raises(FrameError, match="boot counter"):
+        F.encode_frame(9, 3, 7, {}, boot=1 << 32)
 
 
 @pytest.mark.parametrize("kwargs,match", [
