@@ -14,39 +14,52 @@ def register(app: typer.Typer) -> None:
 
 
 def demo(
-    duration: float = typer.Option(120.0, help="seconds of simulated sensor traffic (Ctrl-C stops early)"),
+    duration: float = typer.Option(120.0, help="seconds of simulated sensor traffic (Ctrl-C stops it early)"),
     broker: Optional[str] = typer.Option(None, help="use this broker (mqtt://host:port) instead of the embedded one"),
     sites: int = typer.Option(3, help="sites"),
     devices: int = typer.Option(2, help="hives per site (one edge agent each)"),
     rate: float = typer.Option(2.0, help="sensor frames per second, all hives together"),
     seed: int = typer.Option(0, help="simulation seed"),
     results: Path = typer.Option(Path("results/demo"), help="folder for the summary, chart and logs"),
-    drain: float = typer.Option(120.0, help="after the traffic stops, wait this long for outstanding answers"),
-    live: bool = typer.Option(True, help="show the live terminal view"),
+    drain: float = typer.Option(120.0, help="after the traffic stops, wait up to this long for the answers still "
+                                           "outstanding (a countdown shows it; Ctrl-C again stops at once)"),
+    live: bool = typer.Option(True, help="show the live terminal view (plain progress lines when not a terminal)"),
 ) -> None:
-    """Run broker, cloud, edge agents, bridge and simulator with injected anomalies; Ctrl-C stops."""
+    """Run broker, cloud, edge agents, bridge and simulator with injected anomalies, then answer every event still
+    waiting; Ctrl-C stops the traffic early (and waits for those answers), a second Ctrl-C stops at once."""
     from rich.console import Console
 
     from apiary.chart import save_chart
     from apiary.mesh import Mesh, MeshError, MeshOptions
-    from apiary.view import DemoView, show_connect
+    from apiary.view import DemoView, drain_title, show_connect
     from shared.logs import configure
 
+    launched = time.time()
     configure(level="WARNING", fmt="text")
     console = Console()
     run_dir = results / time.strftime("%Y%m%d-%H%M%S")
     mesh = Mesh(MeshOptions(sites=sites, devices=devices, rate=rate, seed=seed, broker_url=broker,
-                            results_dir=run_dir, anomaly_window_s=0.6 * duration))
-    interrupted = False
+                            results_dir=run_dir, anomaly_window_s=0.6 * duration, early_first_anomaly=True,
+                            traffic_before_cloud=True))
+    startup: list[tuple[str, float]] = []
+    traffic_stopped_early = drain_stopped_early = False
+    summary: dict = {}
+    chart = None
+
+    def step(text: str) -> None:
+        startup.append((text, round(time.time() - launched, 2)))
+        if not console.is_terminal:  # a status spinner shows nothing in a log: say each step as it happens
+            console.print(f"starting the mesh… {text} ({startup[-1][1]:.1f} s)", soft_wrap=True, highlight=False)
+
     try:
         with console.status("starting the mesh…") as status:
-            mesh.start(on_step=lambda text: status.update(f"starting the mesh… {text}"))
+            mesh.start(on_step=lambda text: (step(text), status.update(f"starting the mesh… {text}")))
         show_connect(console, run_dir, mesh.cloud_url, mesh.api_key, mesh.mqtt.url, mesh.supervisor.log_dir)
-        end = time.monotonic() + duration
         with DemoView(console, live=live) as view:
             def refresh(title: str) -> None:
                 view.update(mesh.observer.snapshot(), mesh.engine_metrics(), title)
 
+            end = mesh.traffic_started + duration  # the traffic began while the cloud was still loading
             try:
                 while time.monotonic() < end:
                     if crashed := mesh.crashed():
@@ -54,19 +67,33 @@ def demo(
                     refresh(f"Apiary Mesh demo — {end - time.monotonic():.0f} s of traffic left")
                     time.sleep(1.0)
             except KeyboardInterrupt:
-                interrupted = True
+                traffic_stopped_early = True
             mesh.stop_simulator()
-            if not interrupted:
-                deadline = time.monotonic() + drain
-                try:
-                    while time.monotonic() < deadline and not mesh.drain(1.0):
-                        refresh("Apiary Mesh demo — waiting for the last answers")
-                except KeyboardInterrupt:
-                    interrupted = True
+            drain_started = time.monotonic()
+            deadline = drain_started + drain
+            try:
+                while not mesh.drain(min(1.0, max(0.0, deadline - time.monotonic()))):
+                    if time.monotonic() >= deadline:
+                        break
+                    if crashed := mesh.crashed():
+                        raise MeshError(f"a component exited: {crashed[0]}")
+                    refresh(drain_title(*mesh.outstanding(), deadline - time.monotonic()))
+            except KeyboardInterrupt:
+                drain_stopped_early = True
+            drain_s = time.monotonic() - drain_started
             refresh("Apiary Mesh demo — final")
-        summary = {**mesh.observer.snapshot(), "engine": mesh.engine_metrics(), "frames_sent": mesh.frames_sent,
-                   "interrupted": interrupted, "options": {"duration": duration, "sites": sites, "devices": devices,
-                                                           "rate": rate, "seed": seed}}
+        snap = mesh.observer.snapshot()
+        left_unanswered = mesh.observer.unanswered()
+        first = snap["first_answer_at"]
+        summary = {**snap, "engine": mesh.engine_metrics(), "frames_sent": mesh.frames_sent,
+                   "first_answer_after_launch_s": None if first is None else first - launched,
+                   "startup_s": startup, "left_unanswered": left_unanswered,
+                   "drain": {"seconds": drain_s, "limit_s": drain, "stopped_early": drain_stopped_early,
+                             "complete": mesh.outstanding() == (0, 0)},
+                   "traffic_stopped_early": traffic_stopped_early,
+                   "interrupted": traffic_stopped_early or drain_stopped_early,
+                   "options": {"duration": duration, "sites": sites, "devices": devices, "rate": rate, "seed": seed,
+                               "drain": drain}}
         chart = save_chart(mesh.observer.latencies(), mesh.observer.tier_timeline(), mesh.observer.started,
                            run_dir / "latency.png")
     except MeshError as e:
@@ -77,6 +104,12 @@ def demo(
         mesh.stop()
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     _print_summary(console, summary)
+    if left := summary["left_unanswered"]:
+        why = ("you stopped the wait" if drain_stopped_early else
+               f"the wait for answers ended after {drain:.0f} s (--drain)")
+        console.print(f"[yellow]left unanswered:[/yellow] {len(left)} events that needed an answer ({why}): "
+                      + ", ".join(left[:10]) + (f" and {len(left) - 10} more" if len(left) > 10 else ""),
+                      soft_wrap=True)
     console.print(f"summary: {run_dir / 'summary.json'}   chart: {chart}")
 
 
@@ -91,8 +124,12 @@ def _print_summary(console, s: dict) -> None:
         ("frames sent by the simulator", s["frames_sent"]),
         ("sensor events", s["events"]),
         ("events that needed an answer", s["events_needing_answer"]),
-        ("answered (edge / cloud)", f"{s['answered']} ({s['answers_by_tier'].get('edge', 0)} / "
-                                    f"{s['answers_by_tier'].get('cloud', 0)})"),
+        ("answered / needing an answer", _share(s["events_needing_answer"] - s["unanswered"],
+                                                 s["events_needing_answer"])),
+        ("answers (edge / cloud)", f"{s['answered']} ({s['answers_by_tier'].get('edge', 0)} / "
+                                   f"{s['answers_by_tier'].get('cloud', 0)})"),
+        ("first answer after launch (s)", "-" if s["first_answer_after_launch_s"] is None
+                                          else f"{s['first_answer_after_launch_s']:.1f}"),
         ("escalations", s["escalations"]),
         ("double answers", s["double_answers"]),
         ("edge latency p50 / p99 (ms)", f"{_f(lat['edge']['p50'])} / {_f(lat['edge']['p99'])}"),
@@ -106,6 +143,10 @@ def _print_summary(console, s: dict) -> None:
     for k, v in rows:
         t.add_row(k, str(v))
     console.print(t)
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{part} / {whole}" + (f" ({part / whole:.0%})" if whole else "")
 
 
 def _f(v: float | None) -> str:

@@ -48,6 +48,13 @@ class MeshOptions:
     edge_model: str = "edge-student"  # the shipped signed edge image: the INT4 student distilled from the teacher
     cloud_dtype: str = "auto"
     startup_timeout_s: float = 300.0
+    # The first anomaly a sensor fault on the first hive from its second frame (evident at once, one normal reading
+    # before it as context), so a demo shows an answer seconds after its traffic starts; the others follow over
+    # anomaly_window_s as before.
+    early_first_anomaly: bool = False
+    # Start the traffic once the edge agents are online, while the cloud may still load its model (the demo: the
+    # edges answer from the first seconds); else once everything is up (the benchmark: steady-state latencies).
+    traffic_before_cloud: bool = False
 
 
 @dataclass
@@ -67,6 +74,7 @@ class Mesh:
         self._fleet: Any = None
         self._stop_sim = threading.Event()
         self._sim_thread: threading.Thread | None = None
+        self.traffic_started: float | None = None  # time.monotonic() when the simulator started sending
         self.frames_sent = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -94,14 +102,14 @@ class Mesh:
         self._fleet = Fleet(o.sites, o.devices, seed=o.seed, interval_s=o.interval_s)
         self._schedule_anomalies()
 
-        self.observer = MeshObserver(self.mqtt).start()
+        self.observer = MeshObserver(self.mqtt).start()  # before any agent: it sees every birth
         port = free_port()
         cloud = self.supervisor.spawn("cloud", [
             "cloud", "serve", "--broker", self.mqtt.url, "--port", str(port), "--model", str(cloud_model),
             "--db", str(self.results / "cloud.db"), "--images", str(self.results / "images"),
             "--api-key-file", str(self.results / "cloud-keys.jsonl"), "--dtype", o.cloud_dtype])
-        self.cloud_url, self.api_key = self._wait_for_cloud(cloud.log_path)
-        say(f"cloud {self.cloud_url}")
+        # The edge agents load alongside the cloud's model (each needs only the broker): start-up takes the longer
+        # of the two, not their sum.
         for site, node in self.devices():
             self.supervisor.spawn(f"edge-{site}-{node}", [
                 "edge", "run", "--site", site, "--device", node, "--broker", self.mqtt.url, "--model", str(edge_model),
@@ -109,16 +117,26 @@ class Mesh:
                 env={"APIARY__EDGE__THREADS": str(o.edge_threads)})
         self._wait_for_edges()
         say(f"{len(self.devices())} edge agents online")
-
+        # With traffic_before_cloud the edges answer what they can while the cloud loads, and an escalation made
+        # before the cloud subscribed is re-sent by its edge (edge.resend) until answered.
+        if not o.traffic_before_cloud:
+            self._wait_for_cloud_step(cloud.log_path, say)
         from firmware_bridge.bridge import connect
         from firmware_bridge.settings import BridgeSettings
 
         self._bridge = connect(BridgeSettings(name="demo-bridge", sites=self._fleet.sites()), self.mqtt,
                                truth_lookup=self._fleet.truth)
         self._sim_thread = threading.Thread(target=self._simulate, name="simulator", daemon=True)
+        self.traffic_started = time.monotonic()
         self._sim_thread.start()
         say("simulator and bridge running")
+        if o.traffic_before_cloud:
+            self._wait_for_cloud_step(cloud.log_path, say)
         return self
+
+    def _wait_for_cloud_step(self, log_path: Path, say: Any) -> None:
+        self.cloud_url, self.api_key = self._wait_for_cloud(log_path)
+        say(f"cloud {self.cloud_url}")
 
     def devices(self) -> list[tuple[str, str]]:
         from firmware_bridge.settings import BridgeSettings
@@ -131,23 +149,33 @@ class Mesh:
         if self._sim_thread is not None:
             self._sim_thread.join(10)
 
+    def outstanding(self) -> tuple[int, int]:
+        """(events sent but not yet seen on the broker, events seen that need an answer and have none): what
+        is left before every event is answered."""
+        snap = self.observer.snapshot()
+        return max(0, self.frames_sent - snap["events"]), snap["unanswered"]
+
     def drain(self, timeout_s: float) -> bool:
-        """Wait until every event that needs an answer has one (or ``timeout_s`` passes)."""
+        """Wait until every frame sent arrived as an event and every event that needs an answer has one (or
+        ``timeout_s`` passes); True if nothing is left."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            snap = self.observer.snapshot()
-            if snap["answered"] >= snap["events_needing_answer"]:
+        while True:
+            if self.outstanding() == (0, 0):
                 return True
-            time.sleep(0.5)
-        return False
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
 
     def stop(self) -> None:
-        """Stop everything, newest first; safe to call twice and after a failed start."""
+        """Stop everything in the order the work flows, so nothing publishes to a component already gone: the
+        traffic and the bridge, then the edge agents (their last escalations and death certificates reach a
+        cloud still listening), then the cloud, the observer, the broker. Safe to call twice and after a
+        failed start."""
         self.stop_simulator()
         if self._bridge is not None:
             self._bridge.stop(drain_timeout=5.0)
             self._bridge = None
-        self.supervisor.stop_all()
+        self.supervisor.stop_all(order=lambda m: m.name.startswith("edge-"))
         if self.observer is not None:
             self.observer.stop()
         if self.broker is not None:
@@ -190,9 +218,16 @@ class Mesh:
         frames_per_device_per_s = o.rate / max(1, len(hives))
         sim_per_wall_s = frames_per_device_per_s * o.interval_s
         n = len(hives) * o.anomalies_per_device
-        for k in range(n):
+        first = 0
+        if o.early_first_anomaly and n:
+            # no ramp: its first frame shows it; six frames long, so it adds little load
+            self._fleet.inject("sensor_fault", hives[0], self._fleet.t + o.interval_s, 6 * o.interval_s)
+            kinds.remove("sensor_fault")
+            first = 1
+        for k in range(first, n):
             wall_at = 5.0 + o.anomaly_window_s * k / max(1, n)
-            self._fleet.inject(kinds[k % len(kinds)], hives[k % len(hives)], self._fleet.t + wall_at * sim_per_wall_s)
+            self._fleet.inject(kinds[(k - first) % len(kinds)], hives[k % len(hives)],
+                               self._fleet.t + wall_at * sim_per_wall_s)
 
     def _simulate(self) -> None:
         from firmware_bridge.simulator import emit
@@ -227,7 +262,7 @@ class Mesh:
             if want <= online:
                 return
             if failed := self.crashed():
-                raise MeshError(f"an edge agent exited during start-up: {failed[0]}")
+                raise MeshError(f"a component exited during start-up: {failed[0]}")
             time.sleep(0.3)
         raise MeshError(f"edge agents not online after {self.options.startup_timeout_s}s: "
                         f"{sorted(want - online)}; logs in {self.supervisor.log_dir}")

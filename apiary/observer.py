@@ -170,6 +170,7 @@ class MeshObserver:
         anomalies = anomaly_runs(records)
         anomaly_events = [r for run in anomalies for r in run]
         needing = needing_answer(records)
+        waiting = [r for r in needing if r.answer is None]  # the backlog: needing an answer, none yet
         # Against the simulator's ground truth: each tier's answers whose assessment names the event's label.
         graded: dict[str, list[int]] = {}
         for r in answered:
@@ -187,6 +188,9 @@ class MeshObserver:
             "events_per_s_10s": recent / 10.0,
             "events_needing_answer": len(needing),
             "answered": len(answered),
+            "unanswered": len(waiting),
+            "oldest_unanswered_s": max((now - r.seen_at for r in waiting), default=None),
+            "first_answer_at": min((r.answered_at for r in answered), default=None),  # wall clock
             "answers_by_tier": dict(by_tier),
             "answers_by_status": dict(by_status),
             "double_answers": sum(1 for r in records if r.answers > 1),
@@ -210,6 +214,12 @@ class MeshObserver:
             } for (s, d), (st, soc0, energy) in sorted(devices.items())},
             "nodes_online": {f"{s}/{d}": st.online for (s, d), st in nodes.items()},
         }
+
+    def unanswered(self) -> list[str]:
+        """The events that need an answer and have none yet, oldest first, as ``site/device #seq``."""
+        with self._lock:
+            records = list(self.events.values())  # arrival order, as the triage judges them
+        return [f"{r.event.site}/{r.event.device} #{r.event.seq}" for r in needing_answer(records) if r.answer is None]
 
     def latencies(self) -> dict[str, list[float]]:
         with self._lock:

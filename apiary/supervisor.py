@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Callable
 
 
 @dataclass(slots=True)
@@ -50,8 +50,14 @@ class Supervisor:
             self._terminate([m], timeout)
             self.procs.remove(m)
 
-    def stop_all(self, timeout: float = 15.0) -> None:
-        self._terminate(list(reversed(self.procs)), timeout)
+    def stop_all(self, timeout: float = 15.0, order: Callable[[Managed], bool] | None = None) -> None:
+        """Stop every process, newest first; with ``order``, those it picks first (all of them, in parallel, each
+        given ``timeout``), then the rest."""
+        procs = list(reversed(self.procs))
+        first = [m for m in procs if order(m)] if order else []
+        for group in (first, [m for m in procs if m not in first]):
+            if group:
+                self._terminate(group, timeout)
         self.procs.clear()
 
     def pids(self) -> list[int]:

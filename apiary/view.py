@@ -21,6 +21,10 @@ from rich.text import Text
 
 COMPACT_BELOW = (100, 30)  # columns, rows: a smaller terminal gets the compact layout
 DEVICE_CELL = 30  # characters per device in the compact layout's device grid
+# A backlog worth a warning: an event waiting this long for its answer (edge p99 is a few seconds, cloud ~10 s on
+# a 2-core machine), or this many waiting per device. Either means answers are falling behind the traffic.
+BACKLOG_AGE_S = 30.0
+BACKLOG_PER_DEVICE = 3
 
 
 def _n(v: float | None) -> str:
@@ -45,6 +49,32 @@ def _reasons(snap: dict[str, Any]) -> list[tuple[str, int]]:
     return sorted(snap["escalation_reasons"].items(), key=lambda kv: (-kv[1], kv[0]))
 
 
+def backlog_warning(snap: dict[str, Any]) -> str | None:
+    """A warning when the events waiting for an answer pile up (see ``BACKLOG_AGE_S``), else None."""
+    waiting, oldest = snap.get("unanswered", 0), snap.get("oldest_unanswered_s") or 0.0
+    if waiting and (oldest >= BACKLOG_AGE_S or waiting >= BACKLOG_PER_DEVICE * max(1, len(snap["devices"]))):
+        return (f"backlog: {waiting} events waiting for an answer, the oldest for {oldest:.0f} s: "
+                "answers are falling behind the traffic")
+    return None
+
+
+def drain_title(in_flight: int, waiting: int, seconds_left: float) -> str:
+    """The view's title while the demo waits for its last answers: what is left and the countdown."""
+    left = f"{waiting} to answer" + (f", {in_flight} in flight" if in_flight else "")
+    return f"Apiary Mesh demo — draining: {left}, {max(0.0, seconds_left):.0f} s left (Ctrl-C stops)"
+
+
+def _answered(snap: dict[str, Any]) -> str:
+    """answered/needing, with how many wait."""
+    waiting = snap.get("unanswered", 0)
+    return f"{snap['answered']}/{snap['events_needing_answer']}" + (f" ({waiting} waiting)" if waiting else "")
+
+
+def _warning_line(snap: dict[str, Any]) -> Text | None:
+    warning = backlog_warning(snap)
+    return None if warning is None else Text(warning, style="bold red", no_wrap=True, overflow="ellipsis")
+
+
 def _engine_fields(engine: dict[str, Any]) -> list[tuple[str, str]]:
     """The engine gauges shown, under the keys ``LLMEngine.metrics()`` exports (``apiary_engine_*``)."""
     return [("running", _n(engine.get("requests_running"))), ("waiting", _n(engine.get("requests_waiting"))),
@@ -63,6 +93,8 @@ def full_layout(snap: dict[str, Any], engine: dict[str, Any], title: str) -> Pan
     tiers = snap["answers_by_tier"]
     flow.add_row("needing an answer", str(snap["events_needing_answer"]), "answered", str(snap["answered"]),
                  "edge / cloud", f"{tiers.get('edge', 0)} / {tiers.get('cloud', 0)}")
+    flow.add_row("waiting for an answer", str(snap.get("unanswered", 0)), "oldest waiting",
+                 "-" if snap.get("oldest_unanswered_s") is None else f"{snap['oldest_unanswered_s']:.0f} s", "", "")
     flow.add_row("escalations", str(snap["escalations"]), "anomalies caught / injected",
                  f"{snap['anomalies_caught']} / {snap['anomalies_injected']}", "double answers",
                  str(snap["double_answers"]))
@@ -90,6 +122,8 @@ def full_layout(snap: dict[str, Any], engine: dict[str, Any], title: str) -> Pan
     grid = Table.grid(padding=(0, 2))
     grid.add_row(lat, reasons)
     parts: list[Any] = [flow, grid]
+    if (warning := _warning_line(snap)) is not None:
+        parts.insert(1, warning)
     if engine:
         parts.append(Panel(_engine_line(engine), title="cloud engine"))
     parts.append(devices)
@@ -120,7 +154,7 @@ def compact_layout(snap: dict[str, Any], engine: dict[str, Any], title: str, wid
     tiers, lat = snap["answers_by_tier"], snap["latency_ms"]
     rows: list[Text] = [
         _line(("events", f"{snap['events']} ({snap['events_per_s_10s']:.1f}/s)"),
-              ("answered", f"{snap['answered']}/{snap['events_needing_answer']}"),
+              ("answered", _answered(snap)),
               ("edge/cloud", f"{tiers.get('edge', 0)}/{tiers.get('cloud', 0)}"),
               ("elapsed", f"{snap['elapsed_s']:.0f} s")),
         _line(("escalations", str(snap["escalations"])),
@@ -130,6 +164,8 @@ def compact_layout(snap: dict[str, Any], engine: dict[str, Any], title: str, wid
         _engine_line(engine),
         _line(("reasons", " · ".join(f"{rule} {n}" for rule, n in _reasons(snap)) or "-")),
     ]
+    if (warning := _warning_line(snap)) is not None:
+        rows.insert(1, warning)
     devices = snap["devices"]
     socs = [d["battery_soc"] for d in devices.values() if d["battery_soc"] is not None]
     rows.append(_line(("devices online", f"{sum(1 for d in devices.values() if d['online'])}/{len(devices)}"),
@@ -173,11 +209,13 @@ def render(snap: dict[str, Any], engine: dict[str, Any] | None = None, title: st
 def progress_line(snap: dict[str, Any], engine: dict[str, Any] | None, title: str) -> str:
     """The view as one plain line, for a stdout that is not a terminal."""
     tiers = snap["answers_by_tier"]
-    line = (f"{title}: events {snap['events']}, answered {snap['answered']}/{snap['events_needing_answer']} "
+    line = (f"{title}: events {snap['events']}, answered {_answered(snap)} "
             f"(edge {tiers.get('edge', 0)}, cloud {tiers.get('cloud', 0)}), escalations {snap['escalations']}, "
             f"anomalies caught {snap['anomalies_caught']}/{snap['anomalies_injected']}")
     if engine:
         line += ", engine " + " ".join(f"{k} {v}" for k, v in _engine_fields(engine))
+    if (warning := backlog_warning(snap)) is not None:
+        line += f"; {warning}"
     return line
 
 
@@ -238,6 +276,7 @@ def connect_lines(cloud_url: str, api_key: str, broker_url: str, log_dir: Path |
     yield "REST API", cloud_url
     yield "API key", api_key
     yield "try", f"curl -H 'Authorization: Bearer {api_key}' {cloud_url}/v1/fleet/devices"
+    yield "shell", f"export URL={cloud_url} KEY={api_key}"  # what the README's step 2 expects
     yield "broker", str(broker_url)
     yield "logs", str(log_dir)
 

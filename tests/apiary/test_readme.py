@@ -1,6 +1,7 @@
 """The README as a newcomer follows it: what it tells them to type works as written."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -24,14 +25,15 @@ from shared.transport import MqttTransport
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
+STEP_1_TRAFFIC_S = 40  # the demo's --duration in the step 1 test: long enough for step 2 to run against it
 
 
-def walkthrough_step(n: int) -> str:
-    """The shell block of the README's walk-through step ``n`` (its first ```bash block)."""
+def walkthrough_step(n: int, lang: str = "bash") -> str:
+    """The shell block of the README's walk-through step ``n`` (its first ```bash block, or ```lang)."""
     text = README.read_text()
     start, end = text.index(f"**{n}. "), text.find(f"**{n + 1}. ")
-    block = re.search(r"```bash\n(.*?)```", text[start:end if end > 0 else None], re.S)
-    assert block, f"step {n} has no shell block"
+    block = re.search(rf"```{lang}\n(.*?)```", text[start:end if end > 0 else None], re.S)
+    assert block, f"step {n} has no {lang} block"
     return block.group(1)
 
 
@@ -69,7 +71,7 @@ class Watcher:
             return self.answers[0] if self.answers else None
 
 
-def _stop_group(proc: subprocess.Popen, broker_port: int, grace_s: float = 60.0) -> None:
+def _stop_group(proc: subprocess.Popen, broker_port: int | None, grace_s: float = 60.0) -> None:
     """SIGTERM every process the block started (as Ctrl-C would stop each), wait until all are gone (SIGKILL
     after ``grace_s``), then make sure Mosquitto, in a session of its own, is gone too."""
     deadline = time.monotonic() + grace_s
@@ -83,7 +85,8 @@ def _stop_group(proc: subprocess.Popen, broker_port: int, grace_s: float = 60.0)
         time.sleep(0.5)
         sig = 0 if time.monotonic() < deadline else signal.SIGKILL
     proc.wait(10)
-    for pid in _mosquittos_on(broker_port):  # `apiary broker` stops it on SIGTERM; this is for a SIGKILL above
+    # `apiary broker` stops it on SIGTERM; this is for a SIGKILL above
+    for pid in _mosquittos_on(broker_port) if broker_port is not None else ():
         os.kill(pid, signal.SIGTERM)
 
 
@@ -145,3 +148,66 @@ def test_step_3_runs_as_written_and_an_answer_arrives(tmp_path: Path, gguf_path:
         _stop_group(proc, ports["1883"])
         os.close(master)
         os.close(slave)
+
+
+NOISE = ("Client is not connected", "terminate called", "Traceback", "Aborted")  # never at a clean shutdown
+
+
+def _json_documents(text: str) -> list:
+    """The JSON documents curl printed one after another (no newline between them)."""
+    decoder, docs, i = json.JSONDecoder(), [], 0
+    while i < len(text):
+        if text[i].isspace():
+            i += 1
+            continue
+        doc, i = decoder.raw_decode(text, i)
+        docs.append(doc)
+    return docs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_steps_1_and_2_run_as_written_and_answers_arrive(tmp_path: Path) -> None:
+    """Step 1's block run by bash in a fresh folder, with a short --duration added; while it runs, step 2's curl
+    block (bash, with the URL and KEY the demo's `export` line gives) and its Python block. The demo answers every
+    event that needed one before it exits, says so in its summary, and no component logs error noise."""
+    demo = walkthrough_step(1)
+    assert re.match(r"\.venv/bin/apiary demo\b", demo.strip()), demo
+    script = re.sub(r"(\.venv/bin/apiary demo)\b", rf"\1 --duration {STEP_1_TRAFFIC_S}", demo, count=1)
+    (tmp_path / ".venv").symlink_to(ROOT / ".venv")  # the block's paths are relative to a checkout
+    log = tmp_path / "step1.log"
+    proc = subprocess.Popen(["bash", "-c", script], cwd=tmp_path, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (m := re.search(r"^shell (export URL=(\S+) KEY=(\S+))$", log.read_text(), re.M)):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.5)
+        export, url, key = m.groups()
+        step2 = subprocess.run(["bash", "-c", f"{export}\n{walkthrough_step(2)}"], cwd=tmp_path,
+                               capture_output=True, text=True, timeout=180)  # the export line pasted first
+        assert step2.returncode == 0, step2.stderr
+        chat, devices, escalations = _json_documents(step2.stdout)
+        assert chat["choices"][0]["message"]["content"].strip(), chat
+        assert len(devices) >= 6 and all(d["site"] and d["device"] for d in devices), devices
+        assert isinstance(escalations, list) and len(escalations) <= 5
+        client = subprocess.run([str(ROOT / ".venv/bin/python"), "-c",
+                                 f"import os\nURL, KEY = os.environ['URL'], os.environ['KEY']\n"
+                                 f"{walkthrough_step(2, 'python')}"],
+                                cwd=tmp_path, env={**os.environ, "URL": url, "KEY": key}, capture_output=True,
+                                text=True, timeout=180)
+        assert client.returncode == 0 and client.stdout.strip(), client.stderr
+        assert proc.wait(300) == 0, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            _stop_group(proc, None)
+    out = log.read_text()
+    row = re.search(r"answered / needing an answer\s*│\s*(\d+) / (\d+)", out)
+    assert row and int(row.group(2)) > 0 and row.group(1) == row.group(2), out[-4000:]
+    [summary_path] = (tmp_path / "results" / "demo").glob("*/summary.json")
+    summary = json.loads(summary_path.read_text())
+    assert summary["unanswered"] == 0 and summary["left_unanswered"] == [] and summary["drain"]["complete"]
+    assert summary["first_answer_after_launch_s"] is not None and summary["answers_by_tier"].get("edge", 0) > 0
+    for path in [log, *summary_path.parent.glob("logs/*.log")]:
+        noisy = [line for line in path.read_text(errors="replace").splitlines() if any(n in line for n in NOISE)]
+        assert not noisy, (path.name, noisy)

@@ -4,6 +4,7 @@ plain progress lines off a terminal, and a connect hint that survives copy and p
 from __future__ import annotations
 
 import io
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,8 @@ import torch
 from rich.console import Console
 
 from apiary.observer import MeshObserver
-from apiary.view import DemoView, render, show_connect
+from apiary.view import (BACKLOG_AGE_S, DemoView, backlog_warning, drain_title, progress_line, render,
+                         show_connect)
 from edge.policy import Attempt, EscalationPolicy, Plan, Situation, rule_of
 from edge.settings import PolicySettings
 from shared.config import MqttConfig
@@ -195,3 +197,62 @@ def test_connect_hint_is_unwrapped_and_saved(tmp_path: Path) -> None:
     assert f"try {curl}" in printed and f"API key {key}" in printed
     saved = path.read_text().splitlines()
     assert path == tmp_path / "run" / "connect.txt" and f"try: {curl}" in saved and f"API key: {key}" in saved
+
+
+# ---------------------------------------------------------------------- backlog and drain
+
+
+def test_a_backlog_is_warned_about_in_every_layout(snap, engine_gauges) -> None:
+    # 41 events needed an answer, 12 got one: 29 wait, more than BACKLOG_PER_DEVICE for each of the six devices
+    assert (snap["events_needing_answer"], snap["unanswered"]) == (41, 29)
+    warning = backlog_warning(snap)
+    assert warning and warning.startswith("backlog: 29 events waiting for an answer")
+    assert "backlog: 29 events waiting" in "\n".join(shown(render(snap, engine_gauges, "demo"), 80, 24))
+    assert "backlog: 29 events waiting" in "\n".join(shown(render(snap, engine_gauges, "demo"), 140, 60))
+    assert "; backlog: 29 events waiting" in progress_line(snap, engine_gauges, "demo")
+    assert "answered 12/41 (29 waiting)" in progress_line(snap, engine_gauges, "demo")
+
+
+def test_a_short_queue_is_no_backlog_but_a_stale_one_is(snap) -> None:
+    assert backlog_warning({**snap, "unanswered": 0, "oldest_unanswered_s": None}) is None
+    assert backlog_warning({**snap, "unanswered": 2, "oldest_unanswered_s": 3.0}) is None  # answers keep up
+    stale = backlog_warning({**snap, "unanswered": 1, "oldest_unanswered_s": BACKLOG_AGE_S + 12})
+    assert stale and f"the oldest for {BACKLOG_AGE_S + 12:.0f} s" in stale
+    assert "backlog" not in progress_line({**snap, "unanswered": 0, "oldest_unanswered_s": None}, None, "demo")
+
+
+def test_the_drain_countdown_shows_in_plain_progress_lines(snap) -> None:
+    out = io.StringIO()
+    now = [0.0]
+    with DemoView(Console(file=out, width=80), clock=lambda: now[0]) as view:
+        for left in (120.0, 119.0, 118.0):
+            view.update(snap, None, drain_title(1, 29, left))
+            now[0] += 1.0
+    lines = out.getvalue().splitlines()
+    titles = [f"Apiary Mesh demo — draining: 29 to answer, 1 in flight, {s} s left (Ctrl-C stops): "
+              for s in (120, 119, 118)]
+    assert len(lines) == 3 and all(line.startswith(title) for line, title in zip(lines, titles)), lines
+
+
+def test_drain_waits_for_every_event_sent_and_every_answer(tmp_path: Path) -> None:
+    """Mesh.drain on an observer fed from the wire: events still in flight (sent, not yet seen) and events
+    waiting for an answer both keep it waiting; it returns once the last answer arrives."""
+    from apiary.mesh import Mesh, MeshOptions
+
+    obs = recorded_observer()
+    mesh = Mesh(MeshOptions(results_dir=tmp_path))
+    mesh.observer = obs
+    mesh.frames_sent = len(obs.events) + 2
+    assert mesh.outstanding() == (2, 29) and not mesh.drain(0.3)
+    mesh.frames_sent = len(obs.events)
+    waiting = [r.event for r in obs.events.values()
+               if r.answer is None and f"{r.event.site}/{r.event.device} #{r.event.seq}" in obs.unanswered()]
+    assert len(waiting) == 29 and obs.unanswered()[0] == "site-0/hive-0 #10"
+
+    def answer_all() -> None:
+        for ev in waiting:
+            obs._on_answer("", make(InferenceResult(request_id=f"late-{ev.seq}", site=ev.site, device=ev.device,
+                                                    tier="edge", event_seq=ev.seq), sender=ev.device))
+
+    threading.Timer(0.5, answer_all).start()
+    assert mesh.drain(30) and mesh.outstanding() == (0, 0) and obs.unanswered() == []
