@@ -286,7 +286,7 @@ class SqliteStore(Store):
             d["online"] = bool(d["online"])
             d["counters"] = json.loads(d["counters"])
             last_ota = self._query("SELECT image_version, phase, detail, progress, received_at FROM ota_status "
-                                   "WHERE site=? AND device=? ORDER BY received_at DESC LIMIT 1",
+                                   "WHERE site=? AND device=? ORDER BY received_at DESC, rowid DESC LIMIT 1",
                                    (d["site"], d["device"]))
             d["last_ota"] = dict(last_ota[0]) if last_ota else None
             out.append(d)

@@ -16,9 +16,17 @@ Threads and why:
   again until its deadline, even while the link stays up), escalation deadlines (fall
   back to the local draft) and telemetry.
 
-Identity comes from the topic (``shared.identity``): an event or a reply whose body names
-another site or device than the topic it arrived on is dropped, counted (``foreign_events``,
-``foreign_replies``) and logged, never acted on.
+* **ota** (``[edge.ota] enabled``) applies the OTA commands of the device's own ``ota/cmd``
+  topic with :class:`~edge.ota.OtaUpdater`: download, verify, install, health check, all off
+  the answering path. Its health check also loads the new model in this process and asks it
+  the probe; once the update is committed the worker switches to that model between two
+  events (the answer in flight finishes on the old one), so no event waits for a restart
+  or is lost. A failed check keeps the old model and the old slot (``rolled_back``). A
+  command deferred for a low battery is taken up again once a reading shows it recovered.
+
+Identity comes from the topic (``shared.identity``): an event, a reply or an OTA command whose
+body names another site or device than the topic it arrived on is dropped, counted
+(``foreign_events``, ``foreign_replies``, ``foreign_ota_commands``) and logged, never acted on.
 
 Answer envelope ids are derived from the event's id, so whatever path produced the
 final answer (edge, cloud, fallback), a resend has the same id and consumers de-duplicate it.
@@ -28,19 +36,22 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from collections import deque
 from pathlib import Path
+from typing import Any
 
 from edge.errors import EdgeError
 from edge.model import LocalModel
+from edge.ota import HealthCheckFailed, LlamaHealthCheck, OtaUpdater, judge_probe, probe
 from edge.resend import ResendSchedule
 from edge.responder import Outcome, Responder
 from edge.settings import EdgeSettings
 from edge.store import DeviceStore, OutboxItem
-from shared import identity, topics
+from shared import identity, image, topics
 from shared.config import MqttConfig
 from shared.logs import bind, get_logger
-from shared.protocol import (DeviceState, Envelope, InferenceResult, MessageType, ProtocolError, SensorEvent, decode,
-                             encode, make, priority_for)
+from shared.protocol import (DeviceState, Envelope, InferenceResult, MessageType, OtaCommand, ProtocolError,
+                             SensorEvent, decode, encode, make, priority_for)
 
 log = get_logger(__name__)
 
@@ -86,6 +97,7 @@ class EdgeAgent:
         self.session = self.store.next_session()
         self._model = model
         self._own_model = model is None  # a model handed in belongs to the caller; don't close it
+        self.image_version: str | None = None  # the signed image the running model came from
         self.responder: Responder | None = None
         self.transport = MqttTransport(mqtt, client_id=f"edge-{site}-{device}", persistent=True,
                                        will=(topics.state(site, device), self._state_envelope("death")),
@@ -99,6 +111,21 @@ class EdgeAgent:
         self._resend = ResendSchedule(settings.escalation_resend_s)  # when each escalation goes out again
         self._last_state = 0.0
         self._threads: list[threading.Thread] = []
+        self.ota: OtaUpdater | None = None
+        self._ota_cv = threading.Condition()
+        self._ota_queue: deque[OtaCommand] = deque()
+        self._ota_deferred: OtaCommand | None = None  # waits for the battery
+        self._staged: LocalModel | None = None  # the new model, loaded and probed during the health check
+        self._swap_to: tuple[LocalModel, str] | None = None  # committed: the worker switches to it
+        if settings.ota.enabled:
+            try:
+                self.ota = OtaUpdater(state_dir / f"{site}.{device}.ota", self.transport, site, device,
+                                      settings.resolve_ota_key(), health_check=self._check_and_stage,
+                                      max_attempts=settings.ota.download_attempts,
+                                      max_image_bytes=settings.ota.max_image_bytes,
+                                      min_free_bytes=settings.ota.min_free_bytes, defer=self._ota_defers)
+            except image.ImageError as e:
+                raise EdgeError(f"[edge.ota] public_key: {e}") from None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -106,17 +133,49 @@ class EdgeAgent:
     def model_version(self) -> str | None:
         return self._model.version if self._model is not None else None
 
+    def _load_model(self) -> None:
+        """The active OTA slot's model when one is installed, else the built-in one (handed in or configured)."""
+        slot = self.ota.active_model_path() if self.ota else None
+        if slot is not None:
+            assert self.ota is not None
+            try:
+                self._model, self._own_model = LocalModel.from_settings(self.settings, slot), True
+                self.image_version = self.ota.active_version()
+                return
+            except EdgeError as e:  # e.g. a runtime that no longer reads it: the built-in model still answers
+                log.error("the installed image's model does not load (%s); running the built-in model", e)
+        if self._model is None:
+            self._model = LocalModel.from_settings(self.settings)
+        self.image_version = self._image_of(self._model)
+        if self.ota is not None:
+            self.ota.builtin_version = self.image_version  # the anti-rollback floor while no slot is active
+
+    def _image_of(self, model: Any) -> str | None:
+        """The version of the signed image ``model``'s file was unpacked from (the shipped student is one), when
+        its manifest beside it is signed by the key this device trusts for OTA; None otherwise."""
+        path = getattr(model, "path", None)
+        if path is None:
+            return None
+        try:
+            manifest = image.read_installed(Path(path).parent, self.ota.public_key if self.ota else None)
+        except image.ImageError:
+            return None
+        return manifest.image_version if manifest.model.filename == Path(path).name else None
+
     def start(self, connect_timeout: float = 10.0) -> "EdgeAgent":
         """Load the model, subscribe, connect (retrying until stopped), start the threads."""
         s = self.settings
-        if self._model is None:
-            self._model = LocalModel.from_settings(s)
+        self._load_model()
         self.responder = Responder(s, self._model, max_payload=self.transport.config.max_payload)
         self.transport.set_will(topics.state(self.site, self.device), self._state_envelope("death"))
         self.transport.add_link_listener(self._on_link)
         self.transport.subscribe(topics.event(self.site, self.device), self._on_event)
         self.transport.subscribe(topics.reply(self.site, self.device), self._on_reply)
-        for name, target in (("edge-worker", self._work), ("edge-flusher", self._flush_loop)):
+        workers = [("edge-worker", self._work), ("edge-flusher", self._flush_loop)]
+        if self.ota is not None:
+            self.transport.subscribe(topics.ota_command(self.site, self.device), self._on_ota)
+            workers.append(("edge-ota", self._ota_loop))
+        for name, target in workers:
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
@@ -142,6 +201,8 @@ class EdgeAgent:
         self._stop.set()
         self._wake_worker.set()
         self._wake_flush.set()
+        with self._ota_cv:
+            self._ota_cv.notify_all()
         for t in self._threads:
             t.join(timeout)
         if self.transport.connected:
@@ -154,6 +215,9 @@ class EdgeAgent:
         self.store.close()
         if self._model is not None and self._own_model:
             self._model.close()
+        for left in (self._staged, self._swap_to[0] if self._swap_to else None):
+            if left is not None and left is not self._model:
+                left.close()
 
     def run(self, stop: threading.Event) -> None:
         """Serve until ``stop`` is set (the CLI sets it on SIGTERM/SIGINT), even while still connecting."""
@@ -207,6 +271,17 @@ class EdgeAgent:
         else:
             self.store.bump("duplicate_replies")
 
+    def _on_ota(self, topic: str, env: Envelope) -> None:
+        if env.type != MessageType.OTA_COMMAND:
+            self.store.bump("unexpected_messages")
+            return
+        if not self._speaks_for_us(topic, env, "foreign_ota_commands"):
+            return
+        with self._ota_cv:
+            self._ota_queue.append(env.body)  # type: ignore[arg-type]
+            self._ota_deferred = None  # a newer command replaces one waiting for the battery
+            self._ota_cv.notify_all()
+
     def _speaks_for_us(self, topic: str, env: Envelope, counter: str) -> bool:
         """The body names the node of its topic (ours: the agent subscribes only to its own); else count and log."""
         try:
@@ -221,6 +296,8 @@ class EdgeAgent:
 
     def _work(self) -> None:
         while not self._stop.is_set():
+            if self._swap_to is not None:
+                self._swap_model()
             nxt = self.store.next_event()
             if nxt is None:
                 self._wake_worker.wait()
@@ -233,6 +310,9 @@ class EdgeAgent:
                 log.exception("failed to handle event %s", event_id)
                 self.store.finish(event_id, counter="event_errors")
             self._wake_flush.set()
+            if self._ota_deferred is not None:  # the event's battery reading may let it go on
+                with self._ota_cv:
+                    self._ota_cv.notify_all()
 
     def _handle(self, event_id: str, payload: bytes) -> None:
         try:
@@ -296,6 +376,76 @@ class EdgeAgent:
         if result.status == "ok" and self.responder is not None:
             self.responder.budget.answered_event()
 
+    def _swap_model(self) -> None:
+        """Answer with the committed update's model from the next event on (runs on the worker, between events)."""
+        assert self._swap_to is not None and self.responder is not None
+        (model, version), self._swap_to = self._swap_to, None
+        old, own = self._model, self._own_model
+        self._model, self._own_model, self.image_version = model, True, version
+        self.responder.model = model
+        if old is not None and own:
+            old.close()
+        self.store.bump("models_switched")
+        log.info("now answering with %s (image %s) instead of %s", model.version, version,
+                 old.version if old is not None else None)
+        self._last_state = float("-inf")  # tell the fleet at once
+        self._wake_flush.set()
+
+    # ------------------------------------------------------------------ OTA
+
+    def _ota_loop(self) -> None:
+        assert self.ota is not None
+        while True:
+            cmd = self._next_ota()
+            if cmd is None:
+                return
+            final = self.ota.handle(cmd)
+            staged, self._staged = self._staged, None
+            if final.phase == "committed" and staged is not None:
+                self._swap_to = (staged, cmd.image_version)
+                self._wake_worker.set()
+            elif staged is not None:
+                staged.close()
+            if final.phase == "deferred":
+                with self._ota_cv:
+                    if not self._ota_queue:
+                        self._ota_deferred = cmd
+
+    def _next_ota(self) -> OtaCommand | None:
+        """The next command; a deferred one once the battery allows it; None when stopping."""
+        with self._ota_cv:
+            while not self._stop.is_set():
+                if self._ota_queue:
+                    return self._ota_queue.popleft()
+                if self._ota_deferred is not None and self._ota_defers() is None:
+                    cmd, self._ota_deferred = self._ota_deferred, None
+                    return cmd
+                self._ota_cv.wait()
+        return None
+
+    def _ota_defers(self) -> str | None:
+        if self._stop.is_set():
+            return "the agent is stopping"
+        budget = self.responder.budget if self.responder is not None else None
+        return budget.defers_update(self.settings.ota.min_soc) if budget is not None else None
+
+    def _check_and_stage(self, path: Path, manifest: image.Manifest) -> str:
+        """The health check of an update: the probe in a child process (a model that crashes llama.cpp takes only
+        the child down), then the model loaded here and asked the probe again; it is kept for the switch."""
+        s = self.settings
+        detail = LlamaHealthCheck(budget_s=s.ota.health_budget_s, max_tokens=s.max_tokens)(path, manifest)
+        try:
+            model = LocalModel.from_settings(s, path)
+        except EdgeError as e:
+            raise HealthCheckFailed(f"the agent could not load it: {e}") from None
+        try:
+            here = judge_probe(probe(model, max_tokens=s.max_tokens), max_tokens=s.max_tokens)
+        except BaseException:
+            model.close()
+            raise
+        self._staged = model
+        return f"{detail}; loaded in the agent, {here}"
+
     # ------------------------------------------------------------------ flusher
 
     def _flush_loop(self) -> None:
@@ -335,6 +485,8 @@ class EdgeAgent:
             if not self._publish_state("birth"):
                 return True
             self._born_gen = gen
+            if self.ota is not None:
+                self.ota.announce_boot()  # a trial slot reverted at start-up (once)
         for item in self.store.pending():
             if self._stop.is_set() or not self.transport.connected:
                 return False
@@ -383,7 +535,7 @@ class EdgeAgent:
                             session=self.session, role="edge",
                             battery_soc=budget.battery_soc if budget else None,
                             battery_v=budget.battery_v if budget else None, solar_w=budget.solar_w if budget else None,
-                            model_version=self.model_version,
+                            model_version=self.model_version, image_version=self.image_version,
                             budget_tokens_per_hour=None if tph is None else round(tph, 1), counters=counters)
         return make(state, sender=self.sender)
 

@@ -82,6 +82,24 @@ class PowerProfile(_Section):
         return curve
 
 
+class OtaSettings(_Section):
+    """Over-the-air updates (``[edge.ota]``): who may sign images, and what an update may cost the device."""
+
+    enabled: bool = True  # subscribe to this device's ota/cmd topic and apply signed images
+    # The Ed25519 public key images must be signed with: 64 hex characters, a PEM, or a file holding
+    # either. None: the release key shipped beside the edge student (shared/models/edge-student).
+    public_key: str | None = None
+    # Refused before a byte is written, whatever the command announces (and the stream is cut there too).
+    max_image_bytes: int = Field(default=256 * 1024 * 1024, ge=1)
+    # Left free after the download and the unpacked model: the SQLite store, logs and the OS need it.
+    min_free_bytes: int = Field(default=64 * 1024 * 1024, ge=0)
+    # Below this battery state of charge an update is deferred (reported "deferred") and taken up
+    # again once a reading shows the battery above it; a download in progress stops and resumes later.
+    min_soc: float = Field(default=0.4, ge=0.0, le=1.0)
+    health_budget_s: float = Field(default=120.0, gt=0)  # the new model must load and answer the probe in it
+    download_attempts: int = Field(default=5, ge=1)  # a transfer is resumed this many times within one update
+
+
 class EdgeSettings(_Section):
     """Everything the edge agent reads from ``[edge]``."""
 
@@ -107,6 +125,7 @@ class EdgeSettings(_Section):
     state_interval_s: float = Field(default=60.0, gt=0)  # telemetry update at most this often
     policy: PolicySettings = Field(default_factory=PolicySettings)
     power: PowerProfile = Field(default_factory=PowerProfile)
+    ota: OtaSettings = Field(default_factory=OtaSettings)
     # an unanswered escalation goes out again after this (doubling up to 8x) until its deadline, not
     # only after a reconnect: the cloud may lose one while this link stays up (edge.resend)
     escalation_resend_s: float = Field(default=30.0, gt=0)
@@ -137,6 +156,20 @@ class EdgeSettings(_Section):
         from shared import assets
 
         return assets.model_file(self.model_name)
+
+    def resolve_ota_key(self) -> str | Path:
+        """The key OTA images must be signed with: ``ota.public_key``, else the shipped release key
+        (its sha256 checked against the one recorded in ``shared.assets``)."""
+        if self.ota.public_key:
+            return self.ota.public_key
+        from shared import assets
+
+        asset = assets.SHIPPED["edge-student"]
+        path = assets.MODELS_DIR / asset.folder / assets.RELEASE_KEY_FILE
+        expected = dict(asset.files)[assets.RELEASE_KEY_FILE]
+        if not path.is_file() or assets.sha256_file(path) != expected:
+            raise assets.AssetError(f"the shipped release key {path} is missing or altered; set [edge.ota] public_key")
+        return path
 
 
 def load(path: str | Path | None = None, **explicit: Any) -> EdgeSettings:

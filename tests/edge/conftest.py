@@ -1,9 +1,13 @@
-"""Edge fixtures: one llama.cpp model shared by the real-model tests (loading is cheap, KV reuse is not)."""
+"""Edge fixtures: one llama.cpp model shared by the real-model tests (loading is cheap, KV reuse is not), the
+shipped student, and an HTTP server for OTA images."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterator
 
 import pytest
+
+from tests.edge.helpers import FileServer
 
 
 @pytest.fixture(scope="session")
@@ -22,3 +26,21 @@ def ggufs(tmp_path_factory: pytest.TempPathFactory, gguf_path: Path) -> dict[str
     from tests.edge.helpers import export_styled_ggufs
 
     return export_styled_ggufs(tmp_path_factory.mktemp("styles"), gguf_path)
+
+
+@pytest.fixture
+def server() -> Iterator[FileServer]:
+    """A local HTTP server for OTA images (``helpers.FileServer``)."""
+    s = FileServer()
+    s.thread.start()
+    yield s
+    s.httpd.shutdown()
+    s.httpd.server_close()
+
+
+@pytest.fixture(scope="session")
+def student_gguf() -> Path:
+    """The shipped edge student's GGUF (the signed image in shared/models/edge-student, verified and unpacked)."""
+    from shared import assets
+
+    return assets.edge_model("edge-student")

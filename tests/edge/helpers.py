@@ -2,12 +2,20 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from edge.model import Generation
+from shared.config import MqttConfig
 from shared.protocol import SensorEvent, Severity
 
 SITE, DEVICE = "north", "hive-01"
+ROOT = Path(__file__).resolve().parents[2]
 
 NORMAL = dict(hive_temp_c=34.8, hive_humidity_pct=58.0, ambient_temp_c=21.0, hive_weight_kg=41.2, acoustic_db=55.0,
               acoustic_freq_hz=240.0, bee_traffic=1800.0, battery_v=3.95, solar_w=4.0)
@@ -85,3 +93,75 @@ def export_styled_ggufs(root: Path, teacher: Path) -> dict[str, Path]:
         mp.setattr(deploy.quantize, "folder_prompt_style", lambda folder: "verbose")
         out["verbose"] = export_gguf(plain, root / "verbose.gguf")
     return out
+
+
+class FileServer:
+    """A real threaded HTTP file server that honours Range requests, like the cloud's image route.
+
+    ``cut_next[name] = n`` makes the next response stop after n body bytes and drop the connection (a
+    flaky field link); ``hold_next[name] = (n, gate)`` sends n body bytes, then waits for the
+    ``threading.Event`` gate before sending the rest (a download caught in the middle)."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, Path] = {}
+        self.cut_next: dict[str, int] = {}
+        self.hold_next: dict[str, tuple[int, threading.Event]] = {}
+        self.held = threading.Event()  # set once a held response has sent its first part
+        self.requests: list[tuple[str, str | None]] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                name = self.path.lstrip("/")
+                rng = self.headers.get("Range")
+                server.requests.append((name, rng))
+                if name not in server.files:
+                    self.send_error(404)
+                    return
+                data = server.files[name].read_bytes()
+                start = int(rng.removeprefix("bytes=").split("-")[0]) if rng else 0
+                if start >= len(data):
+                    self.send_response(416)
+                    self.send_header("Content-Range", f"bytes */{len(data)}")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                self.send_response(206 if rng else 200)
+                if rng:
+                    self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+                self.send_header("Content-Length", str(len(data) - start))
+                self.send_header("Accept-Ranges", "bytes")
+                self.end_headers()
+                hold = server.hold_next.pop(name, None)
+                if hold is not None:
+                    self.wfile.write(data[start:start + hold[0]])
+                    self.wfile.flush()
+                    server.held.set()
+                    hold[1].wait()
+                    start += hold[0]
+                cut = server.cut_next.pop(name, None)
+                body = data[start:] if cut is None else data[start:start + cut]
+                self.wfile.write(body)
+                self.wfile.flush()
+                if cut is not None:  # the link drops: close mid-body
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}/{name}"
+
+
+def agent_process(config: MqttConfig, state_dir: Path, cfg_file: Path, log: Path) -> subprocess.Popen:
+    """``python -m edge run`` for SITE/DEVICE as its own process (what ``apiary edge run`` starts), output in ``log``."""
+    env = {**os.environ, "APIARY_LOG_FORMAT": "text", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "edge", "run", "--site", SITE, "--device", DEVICE, "--broker", config.url,
+           "--state-dir", str(state_dir), "--config", str(cfg_file)]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT)

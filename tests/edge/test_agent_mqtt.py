@@ -7,11 +7,9 @@ correlation id, one answer per request envelope id).
 from __future__ import annotations
 
 import collections
-import os
 import signal
 import sqlite3
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -24,12 +22,10 @@ from shared import topics
 from shared.config import MqttConfig
 from shared.protocol import DeviceState, Envelope, InferenceRequest, InferenceResult, Severity, encode, make
 from shared.transport import MqttTransport
-from tests.edge.helpers import DEVICE, SITE, RecordingModel, question, reading
+from tests.edge.helpers import DEVICE, SITE, RecordingModel, agent_process, question, reading
 from tests.shared.helpers import AclBroker, Inbox, forged_payload, publish_raw, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def fast(config: MqttConfig) -> MqttConfig:
@@ -149,13 +145,6 @@ def outbox_rows(state_dir: Path) -> list[tuple[str, str]]:
         return db.execute("SELECT id, kind FROM outbox").fetchall()
     finally:
         db.close()
-
-
-def agent_process(config: MqttConfig, state_dir: Path, cfg_file: Path, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "APIARY_LOG_FORMAT": "text", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "edge", "run", "--site", SITE, "--device", DEVICE, "--broker", config.url,
-           "--state-dir", str(state_dir), "--config", str(cfg_file)]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
 
 
 def test_kill_9_with_undelivered_escalations_then_exactly_once(mosquitto, tmp_path: Path, gguf_path: Path) -> None:

@@ -10,77 +10,16 @@ import json
 import shutil
 import socket
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
 from edge.ota import BootState, HealthCheckFailed, LlamaHealthCheck, OtaUpdater
 from shared import image, topics
 from shared.protocol import OtaCommand, OtaStatus
+from tests.edge.helpers import FileServer
 
 SITE, DEVICE = "farm-1", "hive-0007"
-
-
-class FileServer:
-    """Serves registered files; ``cut_next[name] = n`` makes the next response stop after n body bytes."""
-
-    def __init__(self) -> None:
-        self.files: dict[str, Path] = {}
-        self.cut_next: dict[str, int] = {}
-        self.requests: list[tuple[str, str | None]] = []
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                name = self.path.lstrip("/")
-                rng = self.headers.get("Range")
-                server.requests.append((name, rng))
-                if name not in server.files:
-                    self.send_error(404)
-                    return
-                data = server.files[name].read_bytes()
-                start = int(rng.removeprefix("bytes=").split("-")[0]) if rng else 0
-                if start >= len(data):
-                    self.send_response(416)
-                    self.send_header("Content-Range", f"bytes */{len(data)}")
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
-                self.send_response(206 if rng else 200)
-                if rng:
-                    self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
-                self.send_header("Content-Length", str(len(data) - start))
-                self.send_header("Accept-Ranges", "bytes")
-                self.end_headers()
-                cut = server.cut_next.pop(name, None)
-                body = data[start:] if cut is None else data[start:start + cut]
-                self.wfile.write(body)
-                self.wfile.flush()
-                if cut is not None:  # the link drops: close mid-body
-                    self.close_connection = True
-                    self.connection.shutdown(socket.SHUT_RDWR)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-
-    def url(self, name: str) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}/{name}"
-
-
-@pytest.fixture
-def server() -> Iterator[FileServer]:
-    s = FileServer()
-    s.thread.start()
-    yield s
-    s.httpd.shutdown()
-    s.httpd.server_close()
 
 
 class Recorder:

@@ -1,0 +1,82 @@
+"""OTA through the cloud: `POST /v1/fleet/ota` reaches a running edge agent, which downloads the image from the
+cloud's own image route, installs it, switches models, and the fleet API shows the new image version.
+
+Real everything: Mosquitto, the cloud service (recorder, REST API, image route), the edge agent with the shipped
+student, and an update that is the student again signed by a test key under a new version and file name.
+"""
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from edge.agent import EdgeAgent
+from edge.model import LocalModel
+from edge.settings import EdgeSettings, OtaSettings, PolicySettings
+from shared import assets, image
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+SITE, DEVICE = "meadow", "hive-7"
+
+
+def until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def test_fleet_ota_reaches_a_running_agent_and_the_fleet_shows_its_new_image(mosquitto, make_service, keys,
+                                                                            tmp_path: Path) -> None:
+    service = make_service(broker=mosquitto.config.url, worker_id="cloud-ota", escalations=False)
+    operator = keys.create(["operator"])
+    private, public = image.write_keypair(tmp_path / "signing", "ota")
+    student = assets.edge_model("edge-student")
+    src = tmp_path / "src" / "student-2027.gguf"
+    src.parent.mkdir()
+    shutil.copyfile(student, src)
+    images = tmp_path / "images"
+    images.mkdir(exist_ok=True)
+    info = image.build_image(images / "edge-2027.1.0.tar", src, "2027.1.0", private,
+                             power_profile={"name": "test", "threads": 1, "n_ctx": 2048})
+
+    built_in = LocalModel(student, n_ctx=2048, threads=1)
+    settings = EdgeSettings(threads=1, policy=PolicySettings(link="never"),
+                            ota=OtaSettings(public_key=public.read_text().strip()))
+    agent = EdgeAgent(settings, site=SITE, device=DEVICE, mqtt=mosquitto.config, model=built_in,
+                      state_dir=tmp_path / "edge")
+    http = httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {operator}"}, timeout=30)
+
+    def device() -> dict:
+        return next((d for d in http.get("/v1/fleet/devices", params={"site": SITE}).json()
+                     if d["device"] == DEVICE), {})
+
+    agent.start()
+    try:
+        before = until(lambda: device().get("online") and device(), 30, "the agent's birth in the fleet")
+        assert before["image_version"] is None and before["model_version"].startswith(student.name)
+        r = http.post("/v1/fleet/ota", json={"site": SITE, "device": DEVICE, "image_version": "2027.1.0",
+                                             "filename": info.path.name, "sha256": info.sha256,
+                                             "signature": info.signature, "size": info.size})
+        assert r.status_code == 200, r.text
+        assert [(t["device"], t["acked"]) for t in r.json()["targets"]] == [(DEVICE, True)]
+
+        after = until(lambda: (device().get("image_version") == "2027.1.0" and device()), 300,
+                      "the new image version in the fleet")
+        assert after["model_version"] == f"student-2027.gguf:{info.manifest.model.size}"
+        assert after["last_ota"]["phase"] == "committed" and after["online"]
+        reports = http.get(f"/v1/fleet/devices/{SITE}/{DEVICE}/ota").json()
+        phases = [p["phase"] for p in reversed(reports) if p["phase"] != "downloading"]
+        assert phases == ["received", "downloaded", "verified", "installed", "health_check", "committed"]
+        assert agent.image_version == "2027.1.0"
+    finally:
+        agent.stop()
+        http.close()
+        built_in.close()
