@@ -37,6 +37,9 @@ DEFAULT_CONFIG = MOSQUITTO_DIR / "mosquitto.conf"
 AUTH_CONFIG = MOSQUITTO_DIR / "mosquitto-auth.conf"
 TLS_CONFIG = MOSQUITTO_DIR / "mosquitto-tls.conf"
 DEFAULT_ACL = MOSQUITTO_DIR / "apiary.acl"
+# The embedded broker holds the shipped Mosquitto config's limits (deploy/mosquitto/mosquitto.conf).
+MAX_PACKET_SIZE = 266240  # max_packet_size: bytes after the fixed header; larger: the client is disconnected
+MAX_QUEUED_MESSAGES = 100000  # max_queued_messages: per offline persistent session; beyond, new messages dropped
 
 
 class BrokerError(RuntimeError):
@@ -232,7 +235,10 @@ def _amqtt_classes() -> tuple[type, type]:
       session while it is offline; the mesh relies on that queue.
     * ``Mqtt311Broker`` answers an MQTT 5 CONNECT with "unsupported protocol version" right
       away. Stock amqtt misreads the v5 properties and waits for bytes that never come, which
-      would stall every client's MQTT 5 attempt until its timeout.
+      would stall every client's MQTT 5 attempt until its timeout. It also holds Mosquitto's
+      limits, which stock amqtt lacks: a packet over ``MAX_PACKET_SIZE`` disconnects its client
+      as soon as its fixed header says so (a 200 MB publish is never read, let alone relayed),
+      and an offline session queues at most ``MAX_QUEUED_MESSAGES``.
     """
     from amqtt.adapters import StreamReaderAdapter, StreamWriterAdapter
     from amqtt.broker import Broker
@@ -258,6 +264,44 @@ def _amqtt_classes() -> tuple[type, type]:
             head, self._prefix = self._prefix[:n], self._prefix[n:]
             return head + (await super().read(n - len(head)) if len(head) < n else b"")
 
+    class LimitedReader(PrefixedReader):
+        """Follows the MQTT framing of what amqtt reads and ends the stream at a packet over the limit."""
+
+        def __init__(self, reader: asyncio.StreamReader, prefix: bytes, writer: asyncio.StreamWriter) -> None:
+            super().__init__(reader, prefix)
+            self._writer = writer
+            self._head = bytearray()  # the fixed header being read: type byte and remaining-length bytes
+            self._skip = 0  # bytes of the current packet's body still to come
+
+        async def read(self, n: int = -1) -> bytes:
+            data = await super().read(n)
+            if self._too_large(data):
+                self._writer.close()
+                return b""  # amqtt sees the end of the stream and drops the connection
+            return data
+
+        def _too_large(self, data: bytes) -> bool:
+            i = 0
+            while i < len(data):
+                if self._skip:
+                    step = min(self._skip, len(data) - i)
+                    self._skip -= step
+                    i += step
+                    continue
+                self._head.append(data[i])
+                i += 1
+                if len(self._head) >= 2 and not self._head[-1] & 0x80:
+                    length = sum((b & 0x7F) << (7 * k) for k, b in enumerate(self._head[1:]))
+                    self._head.clear()
+                    if length > MAX_PACKET_SIZE:
+                        log.warning("embedded broker: a client sent a %d-byte packet (max_packet_size %d): "
+                                    "disconnected", length, MAX_PACKET_SIZE)
+                        return True
+                    self._skip = length
+                elif len(self._head) > 5:  # a remaining length longer than 4 bytes is malformed
+                    return True
+            return False
+
     class Mqtt311Broker(Broker):
         async def stream_connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                                    listener_name: str) -> None:
@@ -279,8 +323,15 @@ def _amqtt_classes() -> tuple[type, type]:
                     await writer.drain()
                 writer.close()
                 return
-            await self.external_connected(PrefixedReader(reader, prefix), StreamWriterAdapter(writer),
+            await self.external_connected(LimitedReader(reader, prefix, writer), StreamWriterAdapter(writer),
                                           listener_name)
+
+        async def _retain_broadcast_message(self, broadcast: dict[str, Any], qos: int, target_session: Any) -> None:
+            if target_session.retained_messages.qsize() >= MAX_QUEUED_MESSAGES:
+                log.warning("embedded broker: %d messages queued for offline client %s: one on %s dropped",
+                            MAX_QUEUED_MESSAGES, target_session.client_id, broadcast["topic"])
+                return
+            await super()._retain_broadcast_message(broadcast, qos, target_session)
 
     return OpenAuthPlugin, Mqtt311Broker
 

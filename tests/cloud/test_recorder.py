@@ -141,13 +141,18 @@ def test_answers_events_and_ota_status_are_stored_only_for_the_topics_node(acl_m
     send(hive1, topics.ota_status(SITE, "hive-0001"),
          OtaStatus(site=SITE, device="hive-0002", image_version="6.6.6", phase="committed"))
     send(hive1, topics.state(SITE, "hive-0001"), state("hive-0001", "birth", 1, site="s2"))  # another site
+    # its own name, but on a topic kind that carries another type: an event on its state topic, a state on its
+    # answer topic (the recorder used to store any type on any topic)
+    send(hive1, topics.state(SITE, "hive-0001"), event("hive-0001", 8))
+    send(hive1, own, state("hive-0001", "death", 1))
     send(hive1, own, InferenceResult(request_id="r-2", site=SITE, device="hive-0001", tier="edge", text="mine"))
     wait_until(lambda: store.answers(SITE, "hive-0001"), what="hive-0001's own answer")
     assert [a["request_id"] for a in store.answers(SITE, "hive-0001")] == ["r-2"]
     assert store.answers(SITE, "hive-0002") == [] and store.events(SITE, "hive-0002") == []
+    assert store.events(SITE, "hive-0001") == []
     assert store.ota_statuses(SITE, "hive-0002") == [] and store.devices() == []
     assert [cloud.count(f"{kind}_refused") for kind in ("inference_result", "sensor_event", "ota_status",
-                                                         "device_state")] == [1, 1, 1, 1]
+                                                         "device_state")] == [1, 2, 1, 2]
 
 
 def test_values_the_store_cannot_hold_are_refused_at_decode_and_recording_goes_on(acl_mosquitto, store,

@@ -136,6 +136,79 @@ def test_embedded_broker_binds_loopback_and_refuses_mqtt5_at_once() -> None:
     assert not wait_for_port("127.0.0.1", cfg.port, timeout=0.3)
 
 
+def raw_client(cfg: MqttConfig, client_id: str, *, clean: bool = True) -> tuple[paho.Client, list[bytes], list[str]]:
+    """A plain paho client (3.1.1) recording what it receives and why it was disconnected."""
+    got: list[bytes] = []
+    gone: list[str] = []
+    c = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=paho.MQTTv311,
+                    clean_session=clean)
+    c.on_message = lambda _c, _u, msg: got.append(msg.payload)
+    c.on_disconnect = lambda _c, _u, _f, reason, _p: gone.append(str(reason))
+    c.connect(cfg.host, cfg.port)
+    c.loop_start()
+    return c, got, gone
+
+
+def until(cond, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return cond()
+
+
+def test_embedded_broker_disconnects_a_client_sending_an_oversized_packet() -> None:
+    """A 200 MB publish pushed a subscriber of the embedded broker to 616 MiB (#15, observation 8): now its
+    sender is cut off at the fixed header, as Mosquitto's max_packet_size does, and nothing is relayed."""
+    import shared.brokers as brokers
+
+    broker = EmbeddedBroker()
+    cfg = broker.start()
+    try:
+        sub, got, _ = raw_client(cfg, "sub")
+        sub.subscribe("t/#", qos=1)
+        big, _, big_gone = raw_client(cfg, "big")
+        assert until(lambda: big.is_connected() and sub.is_connected())
+        big.publish("t/big", b"x" * (brokers.MAX_PACKET_SIZE + 1), qos=1)
+        assert until(lambda: bool(big_gone)), "the oversized sender stayed connected"
+        small, _, _ = raw_client(cfg, "small")
+        assert until(small.is_connected)
+        small.publish("t/small", b"ok", qos=1)
+        assert until(lambda: got == [b"ok"]), got
+        for c in (sub, big, small):
+            c.disconnect()
+            c.loop_stop()
+    finally:
+        broker.stop()
+
+
+def test_embedded_broker_bounds_the_queue_of_an_offline_session(monkeypatch) -> None:
+    import shared.brokers as brokers
+
+    monkeypatch.setattr(brokers, "MAX_QUEUED_MESSAGES", 5)
+    broker = EmbeddedBroker()
+    cfg = broker.start()
+    try:
+        sub, _, _ = raw_client(cfg, "sleepy", clean=False)
+        assert until(sub.is_connected)
+        sub.subscribe("t/#", qos=1)
+        time.sleep(0.3)
+        sub.disconnect()
+        sub.loop_stop()
+        pub, _, _ = raw_client(cfg, "pub")
+        assert until(pub.is_connected)
+        for i in range(20):
+            pub.publish("t/x", str(i).encode(), qos=1).wait_for_publish(5)
+        back, got, _ = raw_client(cfg, "sleepy", clean=False)
+        assert until(lambda: len(got) >= 5)
+        time.sleep(0.5)  # anything past the limit would arrive now
+        assert got == [str(i).encode() for i in range(5)]
+        for c in (pub, back):
+            c.disconnect()
+            c.loop_stop()
+    finally:
+        broker.stop()
+
+
 def test_embedded_broker_port_in_use_is_a_clear_error() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -25,6 +25,9 @@ def test_a_body_naming_the_topics_node_speaks_for_it() -> None:
     (topics.event("s1", "hive-0001"), make(SensorEvent(site="s1", device="hive-0002", seq=1, timestamp=1.0,
                                                        readings={}), sender="t"), "on apiary/v1/s1/hive-0001/event"),
     ("not/an/apiary/topic/x", state(), "not an apiary topic"),
+    (topics.state("s1", "hive-0001"), make(SensorEvent(site="s1", device="hive-0001", seq=1, timestamp=1.0,
+                                                       readings={}), sender="t"), "carries device_state only"),
+    (topics.event("s1", "hive-0001"), state(), "carries sensor_event only"),
 ])
 def test_a_body_naming_another_node_is_refused(topic: str, env, message: str) -> None:
     with pytest.raises(identity.IdentityError, match=message):
