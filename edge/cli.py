@@ -37,7 +37,8 @@ def run(
     prompt_style: Optional[str] = typer.Option(None, "--prompt-style", help=STYLE_HELP),
     config: Optional[Path] = typer.Option(None, "--config", help=CONFIG_HELP),
 ) -> None:
-    """Serve one device: answer its sensor events locally or via the cloud until SIGTERM/Ctrl-C."""
+    """Serve one device: answer its sensor events locally or via the cloud, and apply its signed OTA updates
+    ([edge.ota] in the config), until SIGTERM/Ctrl-C."""
     import signal
     import threading
 

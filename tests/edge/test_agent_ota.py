@@ -8,6 +8,7 @@ that cannot hold the update) use small signed images: they are refused before an
 from __future__ import annotations
 
 import collections
+import contextlib
 import shutil
 import signal
 import subprocess
@@ -191,6 +192,20 @@ def builtin(tmp_path_factory: pytest.TempPathFactory, update: image.ImageInfo, k
     model.close()
 
 
+@contextlib.contextmanager
+def running_agent(config: MqttConfig, field: Field, state_dir: Path, key: Path, model, **ota) -> Iterator[EdgeAgent]:
+    """An in-process agent with ``model`` built in, trusting ``key`` for OTA ([edge.ota] overrides in ``ota``)."""
+    settings = EdgeSettings(threads=1, policy=PolicySettings(link="never"),
+                            ota=OtaSettings(public_key=key.read_text().strip(), **ota))
+    agent = EdgeAgent(settings, site=SITE, device=DEVICE, mqtt=config, model=model, state_dir=state_dir)
+    agent.start()
+    try:
+        wait_until(lambda: field.state("birth", 1) is not None, 30, "the agent's birth")
+        yield agent
+    finally:
+        agent.stop()
+
+
 def small_signed(tmp_path: Path, key: Path, version: str) -> image.ImageInfo:
     model = tmp_path / f"src-{version}" / "model.gguf"
     model.parent.mkdir(parents=True)
@@ -212,12 +227,6 @@ def tampered(info: image.ImageInfo, out: Path) -> Path:
 @pytest.mark.parametrize("case", ["tampered", "downgrade", "oversize", "full_disk"])
 def test_refused_updates_leave_the_old_model_answering_and_nothing_on_disk(
         mosquitto, field: Field, server: FileServer, tmp_path: Path, keys: tuple[Path, Path], builtin, case: str) -> None:
-    ota = OtaSettings(public_key=keys[1].read_text().strip(), max_image_bytes=64 << 20,
-                      min_free_bytes=shutil.disk_usage(tmp_path).total if case == "full_disk" else 64 << 20)
-    settings = EdgeSettings(threads=1, policy=PolicySettings(link="never"), ota=ota)
-    agent = EdgeAgent(settings, site=SITE, device=DEVICE, mqtt=mosquitto.config, model=builtin,
-                      state_dir=tmp_path / "state")
-    assert agent.ota is not None
     if case == "tampered":
         info = small_signed(tmp_path, keys[0], "2027.2.0")
         server.files["img.tar"] = tampered(info, tmp_path / "tampered.tar")
@@ -235,9 +244,9 @@ def test_refused_updates_leave_the_old_model_answering_and_nothing_on_disk(
                else command(info, server.url("img.tar")))
     expected = {"tampered": "model_hash", "downgrade": "downgrade: 2026.12.0 is older than the running 2027.1.0",
                 "oversize": "too large: 400000000 bytes", "full_disk": "disk: "}[case]
-    agent.start()
-    try:
-        wait_until(lambda: field.state("birth", 1) is not None, 30, "the agent's birth")
+    margin = shutil.disk_usage(tmp_path).total if case == "full_disk" else 64 << 20  # full: more than it has
+    with running_agent(mosquitto.config, field, tmp_path / "state", keys[1], builtin, max_image_bytes=64 << 20,
+                       min_free_bytes=margin) as agent:
         assert field.state("birth", 1).image_version == "2027.1.0"
         assert field.ask(1).body.model == builtin.version
         field.send(cmd)
@@ -251,5 +260,37 @@ def test_refused_updates_leave_the_old_model_answering_and_nothing_on_disk(
         assert not list((ota_dir / "downloads").iterdir())  # no .part, no archive
         assert not (ota_dir / "boot.json").exists() and agent.image_version == "2027.1.0"
         assert agent.store.counters()["answered_edge"] == 2
-    finally:
-        agent.stop()
+
+
+def test_an_update_whose_model_fails_the_health_check_rolls_back_and_the_old_model_answers(
+        mosquitto, field: Field, server: FileServer, tmp_path: Path, keys: tuple[Path, Path], builtin) -> None:
+    """A validly signed image whose GGUF llama.cpp cannot load: the child probe fails, the switch is undone, and the
+    agent never stopped answering with the model it ran."""
+    broken = tmp_path / "src" / "broken.gguf"
+    broken.parent.mkdir()
+    broken.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 5000)
+    info = image.build_image(tmp_path / "broken.tar", broken, "2027.2.0", keys[0], power_profile={"threads": 1})
+    server.files["img.tar"] = info.path
+    with running_agent(mosquitto.config, field, tmp_path / "state", keys[1], builtin) as agent:
+        field.send(command(info, server.url("img.tar")))
+        final = field.final(1, timeout=300)
+        assert final.phase == "rolled_back" and "health check failed" in final.detail, final.detail
+        assert "back on the built-in model" in final.detail
+        assert field.phases() == ["received", "downloaded", "verified", "installed", "health_check", "rolled_back"]
+        answer = field.ask(1)
+        assert answer.body.model == builtin.version and agent.image_version == "2027.1.0"
+        assert agent.ota is not None and agent.ota.active_model_path() is None
+        assert "models_switched" not in agent.store.counters()
+
+
+def test_an_ota_command_naming_another_device_is_ignored_and_counted(mosquitto, field: Field, server: FileServer,
+                                                                     tmp_path: Path, keys: tuple[Path, Path],
+                                                                     builtin) -> None:
+    info = small_signed(tmp_path, keys[0], "2027.2.0")
+    server.files["img.tar"] = info.path
+    with running_agent(mosquitto.config, field, tmp_path / "state", keys[1], builtin) as agent:
+        foreign = command(info, server.url("img.tar"), device="hive-99")  # on our topic, for someone else
+        assert field.t.publish(topics.ota_command(SITE, DEVICE), make(foreign, sender="field-test"), timeout=5)
+        wait_until(lambda: agent.store.counters().get("foreign_ota_commands") == 1, 20, "the foreign command counted")
+        field.ask(1)  # answered after the command was handled: nothing was started for it
+        assert field.statuses() == [] and not server.requests
