@@ -269,9 +269,14 @@ def simulate_run(
             from shared.config import MqttConfig
             from shared.logs import configure
 
+            from firmware_bridge.settings import default_name
+
             configure()
-            bridge = connect(BridgeSettings(name="sim-bridge", sites=fleet.sites()), MqttConfig.from_url(broker),
-                             truth_lookup=fleet.truth)
+            # Each hive on its own site (site-0, site-1, …), as the demo maps them; the client id is this host's
+            # (bridge-<host>-sim), so it never takes a bridge's session.
+            bridge = connect(BridgeSettings(name=default_name("sim"), sites=fleet.sites()),
+                             MqttConfig.from_url(broker), truth_lookup=fleet.truth)
+            typer.echo(f"events on {fleet.describe_sites(BridgeSettings().node_of)}", err=True)
             sink = bridge.feed_datagram
     except Exception as e:  # pyserial, sockets, files, broker: all end here with one clear message
         for close in closers:

@@ -331,6 +331,14 @@ class Fleet:
         """Device id -> site, for the bridge's ``[bridge.sites]``."""
         return {h.device_id: h.site for h in self.hives}
 
+    def describe_sites(self, node_of: Callable[[int], str] = str) -> str:
+        """Where each site's hives are, e.g. ``site-0 (hive-0001..hive-0004), site-1 (hive-0005..hive-0008)``."""
+        by_site: dict[str, list[int]] = {}
+        for h in self.hives:
+            by_site.setdefault(h.site, []).append(h.device_id)
+        return ", ".join(f"{site} ({node_of(min(ids))}..{node_of(max(ids))})" if len(ids) > 1
+                         else f"{site} ({node_of(ids[0])})" for site, ids in by_site.items())
+
     def inject(self, kind: str, device_id: int, at: float, duration_s: float | None = None, *, mode: str | None = None,
                magnitude: float | None = None) -> Anomaly:
         """Schedule ``kind`` on ``device_id`` starting at sim time ``at``."""

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -54,3 +55,50 @@ def test_demo_runs_every_tier_and_cleans_up(tmp_path: Path, gguf_path: Path) -> 
 
     # shutdown left no process behind (every component's command line names the run folder)
     assert _processes_mentioning(str(results)) == []
+
+
+def test_simulate_run_with_a_broker_maps_hives_to_sites_as_the_demo_does(tmp_path: Path) -> None:
+    """`apiary simulate run --broker` with the demo's fleet (3 sites x 2 hives) publishes each hive's events on
+    the site the demo gives its edge agent (Mesh.devices), says so at start, and connects under this host's
+    bridge name."""
+    import threading
+    from collections import Counter
+
+    from apiary.mesh import Mesh, MeshOptions
+    from firmware_bridge.settings import default_name
+    from firmware_bridge.simulator import Fleet
+    from shared import topics
+    from shared.brokers import EmbeddedBroker
+    from shared.transport import MqttTransport
+
+    broker = EmbeddedBroker()
+    config = broker.start()
+    seen: Counter[tuple[str, str]] = Counter()
+    lock = threading.Lock()
+
+    def on_event(topic: str, env) -> None:
+        with lock:
+            seen[(env.body.site, env.body.device)] += 1
+
+    watcher = MqttTransport(config, "sites-watcher", persistent=False)
+    try:
+        watcher.start(timeout=10)
+        watcher.subscribe(topics.all_of("event"), on_event)
+        assert watcher.wait_subscribed(10)
+        run = subprocess.run([sys.executable, "-m", "apiary", "simulate", "run", "--broker", config.url, "--sites", "3",
+                              "--devices", "2", "--count", "12", "--rate", "0"], capture_output=True, text=True,
+                             timeout=120)
+        assert run.returncode == 0, run.stderr
+        mesh = Mesh(MeshOptions(sites=3, devices=2, results_dir=tmp_path))
+        mesh._fleet = Fleet(3, 2)
+        want = dict.fromkeys(mesh.devices(), 2)  # two ticks of six hives
+        deadline = time.monotonic() + 10
+        while dict(seen) != want and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert dict(seen) == want
+        assert "events on site-0 (hive-0001..hive-0002), site-1 (hive-0003..hive-0004), site-2 (hive-0005..hive-0006)" \
+            in run.stderr
+        assert f"as apiary-bridge-{default_name('sim')}" in run.stderr
+    finally:
+        watcher.stop()
+        broker.stop()
