@@ -55,7 +55,10 @@ class Store(ABC):
         A birth always counts and starts the node's session (whatever its number, so a huge
         spoofed session cannot outlive the node's next real birth); a death counts only for the
         current session, an update only while that session is alive. A node not seen yet is
-        learnt from whatever arrives first (e.g. a retained update)."""
+        learnt from whatever arrives first (e.g. a retained update). Model and image versions: a
+        birth states them (an absent one is cleared), an update may leave them out, and a death
+        never changes them (a Last Will is composed at connect time: an edge may have switched
+        models since)."""
 
     @abstractmethod
     def devices(self, site: str | None = None) -> list[dict[str, Any]]: ...
@@ -258,8 +261,12 @@ class SqliteStore(Store):
                            battery_soc=COALESCE(excluded.battery_soc, devices.battery_soc),
                            battery_v=COALESCE(excluded.battery_v, devices.battery_v),
                            solar_w=COALESCE(excluded.solar_w, devices.solar_w),
-                           model_version=COALESCE(excluded.model_version, devices.model_version),
-                           image_version=COALESCE(excluded.image_version, devices.image_version),
+                           model_version=CASE excluded.status WHEN 'birth' THEN excluded.model_version
+                               WHEN 'death' THEN devices.model_version
+                               ELSE COALESCE(excluded.model_version, devices.model_version) END,
+                           image_version=CASE excluded.status WHEN 'birth' THEN excluded.image_version
+                               WHEN 'death' THEN devices.image_version
+                               ELSE COALESCE(excluded.image_version, devices.image_version) END,
                            budget_tokens_per_hour=COALESCE(excluded.budget_tokens_per_hour,
                                                            devices.budget_tokens_per_hour),
                            counters=CASE WHEN excluded.counters = '{}' THEN devices.counters

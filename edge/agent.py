@@ -390,6 +390,8 @@ class EdgeAgent:
                  old.version if old is not None else None)
         self._last_state = float("-inf")  # tell the fleet at once
         self._wake_flush.set()
+        # From the next connection on, the Last Will names the new model too (this connection's was sent at CONNECT).
+        self.transport.set_will(topics.state(self.site, self.device), self._state_envelope("death"))
 
     # ------------------------------------------------------------------ OTA
 

@@ -13,12 +13,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from cloud.store import SqliteStore
 from edge.agent import EdgeAgent
 from edge.model import LocalModel
 from edge.settings import EdgeSettings, OtaSettings, PolicySettings
 from shared import assets, image
-
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+from shared.protocol import DeviceState
 
 SITE, DEVICE = "meadow", "hive-7"
 
@@ -33,6 +33,30 @@ def until(predicate, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+def test_the_fleet_keeps_the_image_version_a_live_switch_reported_when_the_last_will_arrives(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "cloud.db")
+    node = dict(site=SITE, device=DEVICE, session=3)
+
+    def image_version() -> str | None:
+        return store.devices(SITE)[0]["image_version"]
+
+    store.record_state(DeviceState(status="birth", online=True, image_version="2026.12.0", model_version="a:1", **node))
+    store.record_state(DeviceState(status="update", online=True, **node))  # an update without versions
+    assert image_version() == "2026.12.0"
+    store.record_state(DeviceState(status="update", online=True, image_version="2027.1.0", model_version="b:2", **node))
+    # The Last Will was composed at connect time, before the switch: it marks the device offline, nothing more.
+    store.record_state(DeviceState(status="death", online=False, image_version="2026.12.0", model_version="a:1",
+                                   **node))
+    d = store.devices(SITE)[0]
+    assert (d["online"], d["image_version"], d["model_version"]) == (False, "2027.1.0", "b:2")
+    # A birth states the whole truth: an installed image that no longer loads, the built-in model of no known image.
+    store.record_state(DeviceState(status="birth", online=True, model_version="a:1", **{**node, "session": 4}))
+    assert image_version() is None
+    store.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_fleet_ota_reaches_a_running_agent_and_the_fleet_shows_its_new_image(mosquitto, make_service, keys,
                                                                             tmp_path: Path) -> None:
     service = make_service(broker=mosquitto.config.url, worker_id="cloud-ota", escalations=False)
