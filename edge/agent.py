@@ -117,6 +117,7 @@ class EdgeAgent:
         self._ota_deferred: OtaCommand | None = None  # waits for the battery
         self._staged: LocalModel | None = None  # the new model, loaded and probed during the health check
         self._swap_to: tuple[LocalModel, str] | None = None  # committed: the worker switches to it
+        self._swap_lock = threading.Lock()
         if settings.ota.enabled:
             try:
                 self.ota = OtaUpdater(state_dir / f"{site}.{device}.ota", self.transport, site, device,
@@ -378,8 +379,12 @@ class EdgeAgent:
 
     def _swap_model(self) -> None:
         """Answer with the committed update's model from the next event on (runs on the worker, between events)."""
-        assert self._swap_to is not None and self.responder is not None
-        (model, version), self._swap_to = self._swap_to, None
+        assert self.responder is not None
+        with self._swap_lock:
+            taken, self._swap_to = self._swap_to, None
+        if taken is None:
+            return
+        model, version = taken
         old, own = self._model, self._own_model
         self._model, self._own_model, self.image_version = model, True, version
         self.responder.model = model
@@ -404,7 +409,10 @@ class EdgeAgent:
             final = self.ota.handle(cmd)
             staged, self._staged = self._staged, None
             if final.phase == "committed" and staged is not None:
-                self._swap_to = (staged, cmd.image_version)
+                with self._swap_lock:  # a later update committed before the worker switched: it replaces it
+                    replaced, self._swap_to = self._swap_to, (staged, cmd.image_version)
+                if replaced is not None:
+                    replaced[0].close()
                 self._wake_worker.set()
             elif staged is not None:
                 staged.close()
