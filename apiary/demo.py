@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import time
 from pathlib import Path
 from typing import Optional
@@ -45,6 +46,14 @@ def demo(
     traffic_stopped_early = drain_stopped_early = False
     summary: dict = {}
     chart = None
+    terminated = []  # SIGTERM (a service manager, `kill`): stop at once, without the drain, but clean up
+
+    def on_sigterm(*_: object) -> None:
+        terminated.append(True)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C, even where a shell started us ignoring it
 
     def step(text: str) -> None:
         startup.append((text, round(time.time() - launched, 2)))
@@ -70,7 +79,7 @@ def demo(
                 traffic_stopped_early = True
             mesh.stop_simulator()
             drain_started = time.monotonic()
-            deadline = drain_started + drain
+            deadline = drain_started + (0.0 if terminated else drain)
             try:
                 while not mesh.drain(min(1.0, max(0.0, deadline - time.monotonic()))):
                     if time.monotonic() >= deadline:
@@ -98,14 +107,15 @@ def demo(
                            run_dir / "latency.png")
     except MeshError as e:
         console.print(f"[red]error:[/red] {e}")
-        mesh.stop()
         raise typer.Exit(1) from None
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # the stop itself is bounded (the supervisor kills what hangs)
+            signal.signal(sig, signal.SIG_IGN)
         mesh.stop()
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     _print_summary(console, summary)
     if left := summary["left_unanswered"]:
-        why = ("you stopped the wait" if drain_stopped_early else
+        why = ("stopped by SIGTERM" if terminated else "you stopped the wait" if drain_stopped_early else
                f"the wait for answers ended after {drain:.0f} s (--drain)")
         console.print(f"[yellow]left unanswered:[/yellow] {len(left)} events that needed an answer ({why}): "
                       + ", ".join(left[:10]) + (f" and {len(left) - 10} more" if len(left) > 10 else ""),

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -102,3 +103,47 @@ def test_simulate_run_with_a_broker_maps_hives_to_sites_as_the_demo_does(tmp_pat
     finally:
         watcher.stop()
         broker.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_ctrl_c_stops_the_traffic_then_the_drain_and_says_what_is_left(tmp_path: Path) -> None:
+    """A first Ctrl-C ends the traffic and the demo keeps answering (the countdown shows); a second one stops it
+    at once: it still cleans up, and its summary names the events left without an answer. At 20 frames/s an
+    anomalous hive sends more flagged readings than its agent can answer, so a backlog builds (and the view says
+    so) before the first Ctrl-C."""
+    import signal
+
+    results = tmp_path / "demo-results"
+    proc = subprocess.Popen([sys.executable, "-m", "apiary", "demo", "--duration", "60", "--rate", "20",
+                             "--results", str(results)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+
+    def wait_for(text: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in list(lines)):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+            time.sleep(0.2)
+
+    try:
+        wait_for("; backlog: ", 180)
+        proc.send_signal(signal.SIGINT)
+        wait_for("draining: ", 60)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(120) == 0, "".join(lines)[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(10)
+    out = "".join(lines)
+    [run] = results.iterdir()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["traffic_stopped_early"] and summary["drain"]["stopped_early"] and summary["interrupted"]
+    assert summary["frames_sent"] < 60 * 20 * 0.9  # the traffic did stop early
+    left = summary["left_unanswered"]
+    assert left and len(left) == summary["unanswered"] and not summary["drain"]["complete"]
+    assert f"left unanswered: {len(left)} events that needed an answer (you stopped the wait): {left[0]}" in out
+    assert _processes_mentioning(str(results)) == []
