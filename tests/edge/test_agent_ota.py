@@ -120,8 +120,9 @@ def test_edge_run_takes_an_update_over_mqtt_and_switches_models_while_answering(
         mosquitto, field: Field, server: FileServer, tmp_path: Path, keys: tuple[Path, Path],
         update: image.ImageInfo, student_gguf: Path) -> None:
     """`edge run` with the shipped student: an OTA command deferred for a low battery, taken up once the battery
-    recovers, a download caught half-way while events are answered, the health check, the live switch, the
-    new version reported; after a restart the device runs the new image."""
+    recovers, a download caught half-way while events are answered and then cut by the server (resumed with a
+    Range request), the health check, the live switch, the new version reported; after a restart the device runs
+    the new image."""
     server.files["edge.tar"] = update.path
     state_dir, log, cfg = tmp_path / "state", tmp_path / "agent.log", tmp_path / "apiary.toml"
     cfg.write_text(f'[edge]\nthreads = 1\nmodel_path = "{student_gguf}"\n[edge.policy]\nlink = "never"\n'
@@ -140,7 +141,9 @@ def test_edge_run_takes_an_update_over_mqtt_and_switches_models_while_answering(
         assert deferred.phase == "deferred" and "battery at 12%" in deferred.detail, deferred.detail
         assert not server.requests  # nothing downloaded on a low battery
 
-        gate = server.hold_next["edge.tar"] = (update.size // 2, threading.Event())
+        half, quarter = update.size // 2, update.size // 4
+        gate = server.hold_next["edge.tar"] = (half, threading.Event())
+        server.cut_next["edge.tar"] = quarter  # once released, the link drops a quarter further on
         assert field.ask(2).body.model == old  # this reading shows the battery recovered: the update goes on
         wait_until(server.held.is_set, 120, "the download to reach its middle")
         for seq in (3, 4):  # the download is stuck half-way; events are answered all the same
@@ -157,6 +160,7 @@ def test_edge_run_takes_an_update_over_mqtt_and_switches_models_while_answering(
         assert field.phases() == ["received", "deferred", "received", "downloaded", "verified", "installed",
                                   "health_check", "committed"]
         assert "loaded in the agent, probe answered" in field.final(2).detail
+        assert server.requests == [("edge.tar", None), ("edge.tar", f"bytes={half + quarter}-")]  # resumed
 
         by_seq = collections.Counter(e.body.event_seq for e in field.answers.envs)
         assert by_seq == collections.Counter(range(1, seq + 1)), by_seq  # every event answered, once
