@@ -38,6 +38,17 @@ def test_run_rejects_bad_config(tmp_path: Path) -> None:
     assert r.exit_code == 2 and "broker URL must start with mqtt://" in r.output
 
 
+def test_run_rejects_an_ota_key_it_cannot_use(tmp_path: Path) -> None:
+    cfg = tmp_path / "apiary.toml"
+    cfg.write_text(f'[edge.ota]\npublic_key = "{tmp_path / "missing.pub"}"\n')  # neither a key nor a file
+    r = run("run", "--site", "north", "--device", "d1", "--broker", "mqtt://127.0.0.1:1", "--config", str(cfg),
+            "--state-dir", str(tmp_path), "--model", str(tmp_path / "none.gguf"))
+    assert r.exit_code == 2 and "error: [edge.ota] public_key: cannot read key file" in r.output, r.output
+    cfg.write_text("[edge.ota]\nmax_image_bytes = 0\n")
+    r = run("run", "--site", "north", "--device", "d1", "--config", str(cfg), "--state-dir", str(tmp_path))
+    assert r.exit_code == 2 and "invalid [edge] configuration" in r.output
+
+
 def test_answer_rejects_bad_readings() -> None:
     r = run("answer", "{not json")
     assert r.exit_code == 2 and "error:" in r.output
