@@ -35,7 +35,11 @@ def serve(
     speculative: Optional[str] = typer.Option(None, help="speculative decoding: off | ngram | draft [off]"),
     draft_model: Optional[str] = typer.Option(None, help="draft checkpoint for --speculative draft "
                                                          "(e.g. a distilled student folder)"),
-    config: Optional[Path] = typer.Option(None, help="apiary TOML config ([cloud] section); also $APIARY_CONFIG"),
+    tls_cert: Optional[str] = typer.Option(None, help="serve HTTPS with this certificate (PEM; apiary pki issue "
+                                                      "HOST --server)"),
+    tls_key: Optional[str] = typer.Option(None, help="the certificate's private key (PEM)"),
+    config: Optional[Path] = typer.Option(None, help="apiary TOML config ([cloud] section; the broker's TLS files "
+                                                     "from [mqtt]); also $APIARY_CONFIG"),
 ) -> None:
     """Run the engine, the MQTT escalation worker and the REST API in one process until Ctrl-C."""
     import signal
@@ -51,7 +55,8 @@ def serve(
         settings = load_settings(config, broker=broker, host=host, port=port, model=model, adapter=adapter, db=db,
                                  images=images,
                                  api_key_file=api_key_file, dtype=dtype, worker_id=worker_id,
-                                 speculative=speculative, draft_model=draft_model)
+                                 speculative=speculative, draft_model=draft_model, tls_cert=tls_cert,
+                                 tls_key=tls_key)
         service = CloudService(settings)
         info = service.start()
     except CloudError as e:

@@ -174,7 +174,7 @@ class CloudService:
         s = self.settings
         port = sock.getsockname()[1]
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False,
-                                timeout_graceful_shutdown=5)
+                                timeout_graceful_shutdown=5, ssl_certfile=s.tls_cert, ssl_keyfile=s.tls_key)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="cloud-http",
                                         daemon=True)
@@ -185,7 +185,7 @@ class CloudService:
                 raise CloudError(f"the HTTP server did not start on {s.host}:{port}")
             time.sleep(0.02)
         host = s.host if s.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
-        return f"http://{host}:{port}"
+        return f"{'https' if s.tls_cert else 'http'}://{host}:{port}"
 
     @property
     def running(self) -> bool:

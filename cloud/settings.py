@@ -9,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from cloud.errors import CloudError
-from shared.config import ConfigError, MqttConfig, load_section
+from shared.config import ConfigError, MqttConfig, load_section, with_broker_url
 from shared.hostname import host_name
 from shared.model_ids import aliases, model_id
 from shared.topics import DEFAULT_SHARE_GROUP
@@ -31,6 +31,9 @@ class CloudSettings(BaseModel):
     # HTTP
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)  # 0: pick a free port
+    # HTTPS: the server certificate and key (PEM; `apiary pki issue HOST --server`); both or neither
+    tls_cert: str | None = None
+    tls_key: str | None = None
     public_url: str | None = None  # how devices reach this server (OTA image URLs); default: the request's base URL
     max_body_bytes: int = Field(default=1 << 20, ge=1024)  # larger request bodies get 413
     api_key_file: str | None = ".apiary/cloud-keys.jsonl"
@@ -92,6 +95,15 @@ class CloudSettings(BaseModel):
             raise ValueError(f"{v!r} must be 1-64 of [A-Za-z0-9_.-]")
         return v
 
+    @model_validator(mode="after")
+    def _tls_pair(self) -> "CloudSettings":
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both for HTTPS, or neither")
+        for path in (self.tls_cert, self.tls_key):
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"TLS file not found: {path}")
+        return self
+
     @field_validator("broker")
     @classmethod
     def _broker(cls, v: str | None) -> str | None:
@@ -99,9 +111,12 @@ class CloudSettings(BaseModel):
             MqttConfig.from_url(v)  # ConfigError is a ValueError: reported as a validation error
         return v or None
 
+    _mqtt_section: MqttConfig = PrivateAttr(default_factory=MqttConfig)  # [mqtt], set by load_settings
+
     @property
     def mqtt(self) -> MqttConfig | None:
-        return MqttConfig.from_url(self.broker) if self.broker else None
+        """The broker URL over the ``[mqtt]`` section (its TLS files: the cloud's client certificate)."""
+        return with_broker_url(self._mqtt_section, self.broker) if self.broker else None
 
     @property
     def model_name(self) -> str:
@@ -169,7 +184,9 @@ def load_settings(path: str | Path | None = None, **explicit: Any) -> CloudSetti
         # explicit values are merged here, not passed to load_section: "model" is one of its own parameter names
         base = load_section("cloud", CloudSettings, path)
         merged = {**base.model_dump(exclude_unset=True), **{k: v for k, v in explicit.items() if v is not None}}
-        return CloudSettings.model_validate(merged)
+        settings = CloudSettings.model_validate(merged)
+        settings._mqtt_section = load_section("mqtt", MqttConfig, path)
+        return settings
     except ConfigError as e:
         raise CloudError(str(e)) from None
     except ValidationError as e:

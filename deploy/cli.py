@@ -1,4 +1,5 @@
-"""`apiary finetune`, `apiary distill`, `apiary quantize` and `apiary image keygen|build|verify|command`: making what runs on devices."""
+"""`apiary finetune`, `apiary distill`, `apiary quantize`, `apiary image keygen|build|verify|command` and
+`apiary pki init|issue`: making what runs on devices, and the certificates they connect with."""
 from __future__ import annotations
 
 import json
@@ -259,8 +260,48 @@ def _read_config(path: Path) -> dict:
     return tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
 
 
+pki_app = typer.Typer(help="The fleet's certificates: a CA, broker/API server certificates, one client certificate "
+                             "per node (its MQTT identity).", no_args_is_help=True)
+PKI_DIR = typer.Option(Path(".apiary/pki"), "--dir", help="The CA's folder (ca.crt, ca.key).")
+
+
+@pki_app.command("init")
+def pki_init(folder: Path = PKI_DIR,
+             name: str = typer.Option("apiary-fleet-ca", help="The CA's common name."),
+             days: int = typer.Option(3650, min=1, help="Validity in days.")) -> None:
+    """Make the fleet's CA: ca.crt (give it to every node and broker) and ca.key (0600; keep it offline)."""
+    from deploy.pki import PkiError, init_ca
+
+    try:
+        made = init_ca(folder, name=name, days=days)
+    except PkiError as e:
+        _fail(str(e))
+    typer.echo(f"CA certificate: {made.cert}\nCA key:         {made.key} (keep it off devices and brokers)")
+
+
+@pki_app.command("issue")
+def pki_issue(name: str = typer.Argument(..., help="Common name: the node's name (hive-0001, cloud, bridge) for a "
+                                                   "client certificate, the host for a server certificate."),
+              folder: Path = PKI_DIR,
+              server: bool = typer.Option(False, "--server", help="A server certificate (broker, REST API)."),
+              host: Optional[list[str]] = typer.Option(None, "--host", help="Server: an IP address or DNS name it "
+                                                                           "answers on (repeatable; default NAME)."),
+              out: Optional[Path] = typer.Option(None, help="Where NAME.crt and NAME.key go (default: the CA folder)."),
+              days: int = typer.Option(825, min=1, help="Validity in days.")) -> None:
+    """Issue NAME.crt and NAME.key signed by the CA. The broker takes a client certificate's name as the MQTT
+    username, so the ACL binds the node to its own topics by its certificate."""
+    from deploy.pki import PkiError, issue
+
+    try:
+        made = issue(folder, name, server=server, hosts=host, days=days, out=out)
+    except PkiError as e:
+        _fail(str(e))
+    typer.echo(f"certificate: {made.cert}\nkey:         {made.key}")
+
+
 def register(app: typer.Typer) -> None:
     app.command("finetune")(finetune_command)
     app.command("distill")(distill_command)
     app.command("quantize")(quantize_command)
     app.add_typer(image_app, name="image")
+    app.add_typer(pki_app, name="pki")

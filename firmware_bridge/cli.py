@@ -35,14 +35,14 @@ def _start_bridge(config: Optional[Path], broker: Optional[str], name: Optional[
                   role: str, truth_lookup: Any = None) -> Any:
     from firmware_bridge.bridge import connect
     from firmware_bridge.settings import load_settings
-    from shared.config import ConfigError, MqttConfig, load_section
+    from shared.config import ConfigError, mqtt_settings
     from shared.logs import configure
     from shared.transport import TransportError
 
     configure()
     try:
         settings = load_settings(config, role=role, name=name, default_site=site)
-        mqtt = MqttConfig.from_url(broker) if broker else load_section("mqtt", MqttConfig, config)
+        mqtt = mqtt_settings(config, broker)
         return connect(settings, mqtt, truth_lookup=truth_lookup)
     except (ConfigError, TransportError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)

@@ -36,6 +36,7 @@ MOSQUITTO_DIR = Path(__file__).resolve().parent.parent / "deploy" / "mosquitto"
 DEFAULT_CONFIG = MOSQUITTO_DIR / "mosquitto.conf"
 AUTH_CONFIG = MOSQUITTO_DIR / "mosquitto-auth.conf"
 TLS_CONFIG = MOSQUITTO_DIR / "mosquitto-tls.conf"
+MTLS_CONFIG = MOSQUITTO_DIR / "mosquitto-mtls.conf"  # client certificates are the identity
 DEFAULT_ACL = MOSQUITTO_DIR / "apiary.acl"
 # The embedded broker holds the shipped Mosquitto config's limits (deploy/mosquitto/mosquitto.conf).
 MAX_PACKET_SIZE = 266240  # max_packet_size: bytes after the fixed header; larger: the client is disconnected

@@ -59,6 +59,26 @@ class MqttConfig(BaseModel):
         return f"{'mqtts' if self.tls else 'mqtt'}://{self.host}:{self.port}"
 
 
+def with_broker_url(section: MqttConfig, broker: str | None) -> MqttConfig:
+    """The ``[mqtt]`` section with a broker URL (``--broker``) laid over it: the URL gives host, port, scheme and
+    credentials (when it has some); TLS files and the rest stay the section's. So every room reads the broker the
+    same way, and ``--broker mqtts://host:8883`` still presents the node's certificate from the config file."""
+    if not broker:
+        return section
+    url = MqttConfig.from_url(broker)
+    update: dict[str, Any] = {"host": url.host, "port": url.port, "tls": url.tls}
+    if url.username is not None:
+        update.update(username=url.username, password=url.password)
+    return section.model_copy(update=update)
+
+
+def mqtt_settings(path: str | Path | None = None, broker: str | None = None, *,
+                  environ: dict[str, str] | None = None) -> MqttConfig:
+    """``[mqtt]`` (file, then ``APIARY__MQTT__*``) with ``broker`` laid over it: how bridge, edge and cloud all
+    find their broker."""
+    return with_broker_url(load_section("mqtt", MqttConfig, path, environ=environ), broker)
+
+
 def read_file(path: str | Path | None = None) -> dict[str, Any]:
     """The raw TOML document (empty when no file is configured)."""
     path = path or os.environ.get("APIARY_CONFIG")
