@@ -1,4 +1,9 @@
-"""Shared helpers for benchmarks: percentiles, a results table, and the JSON record."""
+"""Shared helpers for benchmarks: percentiles, a results table, and the JSON record.
+
+Every table says which CPU it ran on (model, speed-relevant features, CPUs, load average): these
+machines change from AVX-512 + bf16 one day to AVX2 only the next, and a number means little
+without them (``kernels.cpu``).
+"""
 from __future__ import annotations
 
 import json
@@ -22,13 +27,27 @@ def percentile(values: Iterable[float], q: float) -> float:
 def machine_info() -> dict[str, Any]:
     import os
 
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()}
+    from kernels import cpu
+
+    flags = cpu.host_flags()
+    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+            "cpu_model": cpu.host_model_name(), "cpu_features": cpu.relevant(flags),
+            "bf16": f"native ({cpu.native_bf16(flags)})" if cpu.native_bf16(flags) else "emulated",
+            "load_average": [round(x, 2) for x in os.getloadavg()]}
+
+
+def machine_line(info: dict[str, Any]) -> str:
+    """The line printed under every table: CPU model, features, bf16, CPUs and load average."""
+    load = "/".join(f"{x:.2f}" for x in info["load_average"])
+    return (f"CPU: {info['cpu_model']}, {info['cpus']} CPUs; features: {' '.join(info['cpu_features']) or 'none found'}; "
+            f"bf16 {info['bf16']}; load average {load}")
 
 
 def report(name: str, title: str, columns: list[str], rows: list[list[Any]], extra: dict[str, Any] | None = None,
            out: Path | None = None) -> Path:
     """Print ``rows`` as a rich table and write them (plus ``extra``) as JSON; return the JSON path."""
-    table = Table(title=title)
+    machine = machine_info()
+    table = Table(title=title, caption=machine_line(machine))
     for c in columns:
         table.add_column(c)
     for r in rows:
@@ -36,7 +55,7 @@ def report(name: str, title: str, columns: list[str], rows: list[list[Any]], ext
     Console().print(table)
     out = out or RESULTS_DIR / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    record = {"bench": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine_info(),
+    record = {"bench": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine,
               "columns": columns, "rows": rows, **(extra or {})}
     out.write_text(json.dumps(record, indent=2, default=str))
     Console().print(f"wrote {out}")

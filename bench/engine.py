@@ -10,11 +10,19 @@ waste (slots allocated but unused) against contiguous per-request allocation. Th
 shared and noisy: the load average before and after each system is recorded; compare the
 rows of one run, not numbers across runs. With ``--rounds N`` every system runs N times,
 interleaved, and the table shows each system's median round and the median per-round ratio.
+With ``--background N``, N busy processes (``while :; do :; done``) run beside every system's
+run, started before it and stopped after it, alike for all: a shared CPU, as in the demo or on a
+server with its REST layer, broker and database. The table shows each system's CPU use (its
+process's CPU seconds per wall second) beside its throughput.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import resource
+import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,9 +52,29 @@ class Result:
     ttfts: list[float] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
+    cpu_s: float = 0.0  # this process's CPU seconds (user + system) during the run
+
     @property
     def tok_s(self) -> float:
         return self.output_tokens / self.wall
+
+
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+@contextlib.contextmanager
+def busy_processes(n: int) -> Iterator[list[subprocess.Popen]]:
+    """``n`` shell loops that each keep one CPU busy while the block runs; stopped (by pid) after it."""
+    procs = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(n)]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
 
 
 def make_workload(tokenizer: Any, n: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
@@ -71,7 +99,7 @@ def run_engine(engine: Any, work: list[Request], max_num_seqs: int) -> Result:
     engine.config.max_num_seqs = max_num_seqs
     engine.reset_prefix_cache()
     before = engine.metrics()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), cpu_seconds()
     ids = [engine.add_request(r.prompt, params=SamplingParams(max_tokens=r.max_tokens, ignore_eos=True))
            for r in work]
     finals = {}
@@ -79,13 +107,13 @@ def run_engine(engine: Any, work: list[Request], max_num_seqs: int) -> Result:
         for out in engine.step():
             if out.finished:
                 finals[out.request_id] = out
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu_start
     outs = [finals[i] for i in ids]
     assert all(len(o.output_token_ids) == r.max_tokens for o, r in zip(outs, work))
     after = engine.metrics()
     return Result("", "", wall, sum(r.max_tokens for r in work), [o.metrics.ttft for o in outs],
                   {"steps": after["steps"] - before["steps"], "preemptions": after["preemptions"] - before["preemptions"],
-                   "kv_slot_waste": after["kv_slot_waste"], "tokens": [o.output_token_ids for o in outs]})
+                   "kv_slot_waste": after["kv_slot_waste"], "tokens": [o.output_token_ids for o in outs]}, cpu)
 
 
 def hf_model_from_gguf(path: Path) -> Any:
@@ -112,16 +140,16 @@ def run_hf(path: Path, work: list[Request]) -> Result:
 
     model = hf_model_from_gguf(path)
     outputs = []
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), cpu_seconds()
     with torch.inference_mode():
         for r in work:
             ids = torch.tensor([r.prompt])
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=r.max_tokens,
                                  min_new_tokens=r.max_tokens, do_sample=False, pad_token_id=0)
             outputs.append(out[0, len(r.prompt):].tolist())
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu_start
     assert [len(o) for o in outputs] == [r.max_tokens for r in work]
-    return Result("", "", wall, sum(r.max_tokens for r in work), extra={"tokens": outputs})
+    return Result("", "", wall, sum(r.max_tokens for r in work), extra={"tokens": outputs}, cpu_s=cpu)
 
 
 def run_llama_cpp(path: Path, work: list[Request], threads: int) -> Result:
@@ -134,7 +162,7 @@ def run_llama_cpp(path: Path, work: list[Request], threads: int) -> Result:
     n_vocab = llm.n_vocab()
     outputs = []
     try:
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), cpu_seconds()
         for r in work:
             llm.reset()
             llm.eval(r.prompt)
@@ -145,10 +173,10 @@ def run_llama_cpp(path: Path, work: list[Request], threads: int) -> Result:
                 if i + 1 < r.max_tokens:
                     llm.eval([tokens[-1]])
             outputs.append(tokens)
-        wall = time.perf_counter() - start
+        wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu_start
     finally:
         llm.close()
-    return Result("", "", wall, sum(r.max_tokens for r in work), extra={"tokens": outputs})
+    return Result("", "", wall, sum(r.max_tokens for r in work), extra={"tokens": outputs}, cpu_s=cpu)
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -162,8 +190,10 @@ def command(
     prompt_tokens: str = typer.Option("32-512", help="prompt length range LO-HI (tokens)"),
     output_tokens: str = typer.Option("16-256", help="output length range LO-HI (tokens)"),
     systems: str = typer.Option(",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}"),
-    dtype: str = typer.Option("bfloat16", help="dtype of the batched engine run (engine-fp32 is always float32)"),
-    threads: int = typer.Option(2, help="torch and llama.cpp threads"),
+    dtype: str = typer.Option("auto", help="dtype of the batched engine run (engine-fp32 is always float32); auto: "
+                                           "bfloat16 where the CPU has avx512_bf16 or amx_bf16, else float32"),
+    threads: int = typer.Option(0, help="torch and llama.cpp threads; 0: the CPUs this process may use "
+                                       "(affinity and cgroup quota, cloud.engine.threads)"),
     max_num_seqs: int = typer.Option(64, help="engine: concurrent sequences"),
     budget: int = typer.Option(1024, help="engine: max tokens per step"),
     seed: int = typer.Option(0, help="workload seed"),
@@ -172,11 +202,14 @@ def command(
     model: str = typer.Option("", help="GGUF path; default: the smollm2-135m-q4 asset"),
     rounds: int = typer.Option(1, min=1, help="run the systems this many times, interleaved (order reversed every "
                                               "other round), and report medians: ratios survive a noisy machine"),
+    background: int = typer.Option(0, min=0, help="busy processes (shell loops) running beside every system's run"),
 ) -> None:
+    # cloud.engine first: it sets the OpenMP wait policy and thread counts before torch loads.
+    from cloud.engine import EngineConfig, LLMEngine, threads as engine_threads
+
     import torch
 
     from bench.common import percentile, report
-    from cloud.engine import EngineConfig, LLMEngine
     from shared import assets
 
     chosen = [s.strip() for s in systems.split(",") if s.strip()]
@@ -188,6 +221,7 @@ def command(
     p_lo, p_hi = (int(x) for x in prompt_tokens.split("-"))
     o_lo, o_hi = (int(x) for x in output_tokens.split("-"))
     path = Path(model) if model else assets.ensure("smollm2-135m-q4")
+    threads = threads or engine_threads.STATE.cpus
     torch.set_num_threads(threads)
 
     def engine_for(engine_dtype: str, cpu_attention: str = "numba") -> Any:
@@ -197,20 +231,21 @@ def command(
 
     engines: dict[str, Any] = {}
     tokenizer = (engines.setdefault(dtype, engine_for(dtype))).tokenizer
+
+    def resolved(name: str) -> str:
+        return str(engines[name].runner.dtype).removeprefix("torch.") + (" (auto)" if name == "auto" else "")
+
     work = make_workload(tokenizer, requests, (p_lo, p_hi), (o_lo, o_hi), seed)
     seq_work = work[:sequential_requests] if sequential_requests > 0 else work
     runs: dict[str, list[Result]] = {system: [] for system in chosen}
     loads: dict[str, list[tuple[float, float]]] = {system: [] for system in chosen}
-    for system in [s for r in range(rounds) for s in (chosen if r % 2 == 0 else chosen[::-1])]:
-        load_before = os.getloadavg()[0]
-        n = len(work) if system in ("engine", "engine-torch-attn", "engine-fp32") else len(seq_work)
-        typer.echo(f"running {system} on {n} requests (load average {load_before:.1f}) ...")
+    def run_system(system: str) -> Result:
         if system == "engine":
             res = run_engine(engines.setdefault(dtype, engine_for(dtype)), work, max_num_seqs)
-            res.detail = f"continuous batching, {dtype}, max_num_seqs={max_num_seqs}, budget={budget}"
+            res.detail = f"continuous batching, {resolved(dtype)}, max_num_seqs={max_num_seqs}, budget={budget}"
         elif system == "engine-torch-attn":  # the A/B for the numba decode-attention kernel
             res = run_engine(engines.setdefault("torch-attn", engine_for(dtype, "torch")), work, max_num_seqs)
-            res.detail = f"continuous batching, {dtype}, decode attention through the torch reference"
+            res.detail = f"continuous batching, {resolved(dtype)}, decode attention through the torch reference"
         elif system == "engine-fp32":
             res = run_engine(engines.setdefault("float32", engine_for("float32")), work, max_num_seqs)
             res.detail = f"continuous batching, float32, max_num_seqs={max_num_seqs}, budget={budget}"
@@ -225,10 +260,21 @@ def command(
         else:
             res = run_llama_cpp(path, seq_work, threads)
             res.detail = f"llama-cpp-python, one request at a time, {threads} threads, GGUF Q4_1"
+        return res
+
+    for system in [s for r in range(rounds) for s in (chosen if r % 2 == 0 else chosen[::-1])]:
+        load_before = os.getloadavg()[0]
+        n = len(work) if system in ("engine", "engine-torch-attn", "engine-fp32") else len(seq_work)
+        typer.echo(f"running {system} on {n} requests (load average {load_before:.1f}"
+                   f"{f', {background} busy processes beside it' if background else ''}) ...")
+        with busy_processes(background):
+            res = run_system(system)
         res.system = system
         runs[system].append(res)
         loads[system].append((load_before, os.getloadavg()[0]))
-        typer.echo(f"  {system} ({res.detail}): {res.output_tokens} tokens in {res.wall:.1f}s = {res.tok_s:.1f} tok/s")
+        typer.echo(f"  {system} ({res.detail}): {res.output_tokens} tokens in {res.wall:.1f}s = {res.tok_s:.1f} tok/s, "
+                   f"CPU {100 * res.cpu_s / res.wall:.0f}%")
+
     # Each system's median round; ratios are medians of the per-round ratios (round r of one system
     # against round r of the other, run minutes apart), so a slow phase of the machine cancels out.
     results = {system: sorted(rs, key=lambda r: r.tok_s)[(len(rs) - 1) // 2] for system, rs in runs.items()}
@@ -240,13 +286,13 @@ def command(
         n = len(per_round)
         return per_round[n // 2] if n % 2 else (per_round[n // 2 - 1] + per_round[n // 2]) / 2
 
-    columns = ["system", "output tok", "wall s", "output tok/s", "x HF seq", "x llama.cpp seq",
+    columns = ["system", "output tok", "wall s", "output tok/s", "CPU %", "x HF seq", "x llama.cpp seq",
                "TTFT p50 s", "TTFT p99 s"]
     rows = []
     for system, res in results.items():
         ttft = [t for t in res.ttfts if t is not None]
         rows.append([system, res.output_tokens, round(res.wall, 1), round(res.tok_s, 1),
-                     ratio(system, "hf"), ratio(system, "llama-cpp"),
+                     round(100 * res.cpu_s / res.wall), ratio(system, "hf"), ratio(system, "llama-cpp"),
                      percentile(ttft, 50) if ttft else "-", percentile(ttft, 99) if ttft else "-"])
     reference = results.get("engine-fp32") or results.get("engine-bs1")
     agreements = {s: agreement(reference.extra["tokens"][:len(r.extra["tokens"])], r.extra["tokens"])
@@ -261,7 +307,9 @@ def command(
         typer.echo(f"KV slots allocated but unused (paged, block 16): {100 * kv['kv_slot_waste_paged']:.2f}%; "
                    f"contiguous prompt+max_tokens would waste {100 * kv['kv_waste_contiguous_prompt_plus_max_tokens']:.1f}%, "
                    f"contiguous max_model_len ({kv['max_model_len']}) {100 * kv['kv_waste_contiguous_max_model_len']:.1f}%")
-    report("engine", f"Engine throughput: {len(work)} requests, prompts {p_lo}-{p_hi} tok, outputs {o_lo}-{o_hi} tok",
+    beside = f", {background} busy processes beside each run" if background else ""
+    report("engine", f"Engine throughput: {len(work)} requests, prompts {p_lo}-{p_hi} tok, outputs {o_lo}-{o_hi} tok"
+           f"{beside}",
            columns, rows, {
                "workload": {"requests": len(work), "prompt_tokens": sum(len(r.prompt) for r in work),
                             "output_tokens": sum(r.max_tokens for r in work), "seed": seed,
@@ -269,7 +317,9 @@ def command(
                             "sequential_systems_requests": len(seq_work),
                             "sequential_output_tokens": sum(r.max_tokens for r in seq_work)},
                "systems": {s: r.detail for s, r in results.items()},
-               "threads": threads, "load_average_before_after": loads, "kv_cache": kv,
+               "threads": threads, "engine_threads": engine_threads.report(), "background_processes": background,
+               "cpu_percent_per_round": {s: [round(100 * r.cpu_s / r.wall) for r in rs] for s, rs in runs.items()},
+               "load_average_before_after": loads, "kv_cache": kv,
                "rounds": rounds, "tok_s_per_round": {s: [round(r.tok_s, 2) for r in rs] for s, rs in runs.items()},
                "ratios_median_of_rounds": {s: {"x_hf": ratio(s, "hf"), "x_llama_cpp": ratio(s, "llama-cpp")}
                                            for s in runs},

@@ -3,6 +3,12 @@
 Knows nothing of MQTT or HTTP and takes model paths (GGUF file or Hugging Face folder), not
 registry names. Attention, norms, rotary and KV writes go through ``kernels.ops``.
 """
+# First, before anything below imports torch or numba: the OpenMP wait policy and thread counts
+# are read once, when each OpenMP runtime loads (cloud/engine/threads.py says why).
+from cloud.engine import threads as _threads
+
+_threads.install()
+
 from cloud.engine.async_engine import AsyncEngine
 from cloud.engine.config import EngineConfig, ModelConfig
 from cloud.engine.errors import EngineError, EngineOverloaded, RequestRejected

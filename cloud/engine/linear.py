@@ -6,20 +6,26 @@ what inductor's freezing pass does) measured 1.4-1.7x faster on this model's mat
 batch sizes decoding runs (1-64 rows), ~1.1x on 1,024-row prefill chunks, with bit-identical
 results. float32 goes through MKL, where packing measured no gain, and CUDA needs none: there
 ``Linear`` is plain ``F.linear``. The packing ops are internal to torch, so their absence or any
-mismatch on a probe input falls back to ``F.linear``.
+mismatch on a probe input falls back to ``F.linear``. So does a CPU without native bf16
+(``kernels.cpu.native_bf16``: avx512_bf16 or amx_bf16): there oneDNN emulates bf16, packing is
+not the speed path (the engine's ``auto`` dtype is float32 there), and the probe does not match.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu
 
-def _pack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+
+def _pack(weight: torch.Tensor, bias: torch.Tensor | None, flags: Iterable[str] | None) -> torch.Tensor | None:
     """The oneDNN-packed weight, or None where packing is unavailable or would not match ``F.linear``."""
     mkldnn = torch.ops.mkldnn
     if (weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available()
+            or not cpu.native_bf16(cpu.host_flags() if flags is None else flags)
             or not hasattr(mkldnn, "_reorder_linear_weight") or not hasattr(mkldnn, "_linear_pointwise")):
         return None
     try:
@@ -42,8 +48,9 @@ class Linear:
     packed: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-        return cls(weight, bias, _pack(weight, bias))
+    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, flags: Iterable[str] | None = None) -> Linear:
+        """``flags``: the CPU's features (default: this host's, ``kernels.cpu.host_flags``)."""
+        return cls(weight, bias, _pack(weight, bias, flags))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None or x.dim() != 2 or x.shape[0] == 0 or x.dtype != self.weight.dtype:

@@ -2,28 +2,37 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
 
 from cloud.engine.config import EngineConfig
 from cloud.engine.errors import EngineError
-from cloud.engine import host_memory
+from cloud.engine import host_memory, threads
 from cloud.engine.loader import Checkpoint
 from cloud.engine.model import AttentionMetadata, LlamaModel, paged_layout
 from cloud.engine.scheduler import ScheduledBatch
 from cloud.engine.sequence import Sequence
+from kernels import cpu
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_BYTES = 1 << 30
 DECODE_GROUPS, DECODE_GROUP_MIN = 4, 8  # CPU: decode attention in up to 4 calls of >= 8 similar-length rows
 
 
-def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
-    if config.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[config.dtype]
+def resolve_dtype(config: EngineConfig, device: torch.device, flags: Iterable[str] | None = None) -> torch.dtype:
+    """The weights' and KV cache's dtype. ``auto``: bfloat16 on CUDA; on CPU bfloat16 only where the
+    CPU computes it natively (``kernels.cpu.native_bf16`` of ``flags``, default this host's), else
+    float32: emulated bf16 matmuls are slower than float32 (docs/benchmarks.md)."""
+    if config.dtype != "auto":
+        return DTYPES[config.dtype]
+    if device.type == "cuda":
+        return torch.bfloat16
+    return torch.bfloat16 if cpu.native_bf16(cpu.host_flags() if flags is None else flags) else torch.float32
 
 
 class ModelRunner:
@@ -36,9 +45,14 @@ class ModelRunner:
             raise EngineError(f"bad device {config.device!r}: {e}") from e
         if self.device.type == "cpu":
             host_memory.keep_freed_memory()
-            if config.num_threads:
-                torch.set_num_threads(config.num_threads)
+            # The configured count, else torch's current one capped at the CPUs available.
+            threads.apply(config.num_threads)
         self.dtype = resolve_dtype(config, self.device)
+        if self.device.type == "cpu":
+            flags = cpu.host_flags()
+            log.info("engine dtype %s (asked %s); CPU features: %s; bf16 %s", str(self.dtype).removeprefix("torch."),
+                     config.dtype, cpu.describe(flags),
+                     f"native ({cpu.native_bf16(flags)})" if cpu.native_bf16(flags) else "emulated")
         self.block_size = config.block_size
         mc = self.model_config = checkpoint.config
         self.model = LlamaModel(mc, checkpoint.weights, self.device, self.dtype, max_positions=max_model_len,

@@ -44,7 +44,8 @@ def tiny_llama3_rope(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def real_engine(gguf_path: Path) -> LLMEngine:
     """One fp32 SmolLM2 engine for the real-model tests (loading costs seconds; reuse it)."""
-    return LLMEngine(EngineConfig(model_path=gguf_path, kv_cache_bytes=256 << 20, max_num_batched_tokens=512))
+    return LLMEngine(EngineConfig(model_path=gguf_path, dtype="float32", kv_cache_bytes=256 << 20,
+                                  max_num_batched_tokens=512))
 
 
 def prompt_logits(engine: LLMEngine, token_ids: list[int], chunk: int | None = None,

@@ -95,7 +95,8 @@ def test_real_model_batched_tokens_match_the_torch_backend(real_engine, gguf_pat
     from tests.cloud.engine.test_real_batching import check_same_or_near_tie, generate_all, make_prompts
 
     assert real_engine.runner.model.ragged_decode
-    torch_engine = LLMEngine(EngineConfig(model_path=gguf_path, kv_cache_bytes=128 << 20, cpu_attention="torch"))
+    torch_engine = LLMEngine(EngineConfig(model_path=gguf_path, dtype="float32", kv_cache_bytes=128 << 20,
+                                          cpu_attention="torch"))
     assert not torch_engine.runner.model.ragged_decode
     prompts = make_prompts(real_engine)
     params = SamplingParams(max_tokens=12, ignore_eos=True)

@@ -19,7 +19,7 @@ def prompts(n: int, seed: int = 0, max_words: int = 60) -> list[str]:
 
 
 def engine_for(folder: Path, **overrides) -> LLMEngine:
-    config = dict(model_path=folder, kv_cache_bytes=2 << 20, block_size=4, max_num_batched_tokens=64)
+    config = dict(model_path=folder, dtype="float32", kv_cache_bytes=2 << 20, block_size=4, max_num_batched_tokens=64)
     config.update(overrides)
     return LLMEngine(EngineConfig(**config))
 

@@ -6,11 +6,15 @@ import torch
 import torch.nn.functional as F
 
 from cloud.engine.linear import Linear
+from kernels import cpu
+from tests.kernels.test_cpu import AVX2_HOST
 
 PACKABLE = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+NO_NATIVE_BF16 = cpu.missing_bf16(cpu.host_flags())
 
 
 @pytest.mark.skipif(not PACKABLE, reason="this torch build has no oneDNN linear packing")
+@pytest.mark.skipif(NO_NATIVE_BF16 is not None, reason=f"packing needs native bf16: {NO_NATIVE_BF16}")
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_bfloat16_is_bit_identical_to_f_linear(rows: int, with_bias: bool) -> None:
@@ -22,6 +26,18 @@ def test_packed_bfloat16_is_bit_identical_to_f_linear(rows: int, with_bias: bool
     x = torch.randn(rows, 80, generator=g).to(torch.bfloat16)
     with torch.inference_mode():
         assert torch.equal(layer(x), F.linear(x, weight, bias))
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+def test_a_cpu_without_native_bfloat16_gets_plain_f_linear(rows: int) -> None:
+    """The fallback, on every host: with an AVX2-only CPU's flags nothing is packed and bf16 is F.linear."""
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 80, generator=g).to(torch.bfloat16)
+    layer = Linear.of(weight, flags=cpu.parse_flags(AVX2_HOST))
+    assert layer.packed is None
+    x = torch.randn(rows, 80, generator=g).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), F.linear(x, weight))
 
 
 def test_float32_and_odd_inputs_use_plain_f_linear() -> None:

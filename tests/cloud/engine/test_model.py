@@ -9,6 +9,7 @@ import torch
 
 from cloud.engine import EngineConfig, LLMEngine
 from cloud.engine.errors import EngineError
+from kernels import cpu
 from tests.cloud.engine.conftest import prompt_logits
 
 PROMPT = ("<|im_start|>user\nThe hive scale reads 41.3 kg, up 0.8 kg since yesterday; humidity 61%. "
@@ -26,7 +27,7 @@ def hf_logits(folder: Path, token_ids: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("name", ["tiny_llama", "tiny_qwen2", "tiny_llama3_rope"])
 def test_tiny_checkpoint_logits_match_transformers(name: str, request: pytest.FixtureRequest) -> None:
     folder = request.getfixturevalue(name)
-    engine = LLMEngine(EngineConfig(model_path=folder, kv_cache_bytes=4 << 20, block_size=8))
+    engine = LLMEngine(EngineConfig(model_path=folder, dtype="float32", kv_cache_bytes=4 << 20, block_size=8))
     ids = engine.tokenizer.encode("Queen present, brood pattern solid. Sensor 7 reports humidity 62% " * 3)[:90]
     assert len(ids) == 90  # long enough to pass the llama3 rope's original context (64)
     expected = hf_logits(folder, ids)
@@ -34,7 +35,7 @@ def test_tiny_checkpoint_logits_match_transformers(name: str, request: pytest.Fi
     assert cached == 0
     torch.testing.assert_close(full, expected, atol=2e-4, rtol=1e-4)
     # Chunked prefill (odd chunk size crossing block boundaries) gives the same logits...
-    plain = LLMEngine(EngineConfig(model_path=folder, kv_cache_bytes=4 << 20, block_size=8,
+    plain = LLMEngine(EngineConfig(model_path=folder, dtype="float32", kv_cache_bytes=4 << 20, block_size=8,
                                    enable_prefix_caching=False))
     cached, chunked = prompt_logits(plain, ids, chunk=13)
     assert cached == 0
@@ -112,11 +113,14 @@ def test_real_model_agrees_with_llama_cpp(real_engine: LLMEngine, gguf_path: Pat
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_real_model_bfloat16_tracks_float32(real_engine: LLMEngine, gguf_path: Path) -> None:
-    """The benchmarks' serving dtype: bf16 (oneDNN-prepacked weights on CPU) picks the fp32 engine's
-    next token almost everywhere, the differences being near-ties, in one pass and in chunks."""
+    """The benchmarks' serving dtype: bf16 (oneDNN-prepacked weights on CPUs with native bf16, plain
+    F.linear on others) picks the fp32 engine's next token almost everywhere, the differences being
+    near-ties, in one pass and in chunks."""
     bf16 = LLMEngine(EngineConfig(model_path=gguf_path, dtype="bfloat16", kv_cache_bytes=64 << 20))
+    # Packed where the CPU computes bf16 natively; elsewhere (AVX2 hosts) the F.linear fallback is what is tested.
     assert all(layer.qkv.packed is not None for layer in bf16.runner.model.layers) == (
-        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and cpu.native_bf16(cpu.host_flags()) is not None)
     ids = real_engine.tokenizer.encode(PROMPT)
     _, reference = prompt_logits(real_engine, ids, use_prefix_cache=False)
     _, whole = prompt_logits(bf16, ids, use_prefix_cache=False)

@@ -54,7 +54,7 @@ def tiny_vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def tiny_engine(path: Path, spec: SpeculativeConfig | None, **kw) -> LLMEngine:
-    cfg = dict(model_path=path, kv_cache_bytes=8 << 20, max_num_seqs=512, max_num_batched_tokens=4096,
+    cfg = dict(model_path=path, dtype="float32", kv_cache_bytes=8 << 20, max_num_seqs=512, max_num_batched_tokens=4096,
                block_size=4, speculative=spec)
     cfg.update(kw)
     return LLMEngine(EngineConfig(**cfg))

@@ -18,7 +18,7 @@ FREE = ["Why do bees dance? Answer in one sentence.", "List three things a beeke
 @pytest.fixture(scope="module")
 def spec_engine(gguf_path: Path) -> LLMEngine:
     return LLMEngine(EngineConfig(
-        model_path=gguf_path, kv_cache_bytes=192 << 20, max_num_batched_tokens=2048,
+        model_path=gguf_path, dtype="float32", kv_cache_bytes=192 << 20, max_num_batched_tokens=2048,
         speculative=SpeculativeConfig(method="draft", draft_num_layers=4, k=4, adaptive=False)))
 
 
