@@ -46,7 +46,7 @@ def run(
     from edge.errors import EdgeError
     from edge.settings import load
     from shared.assets import AssetError
-    from shared.config import ConfigError, MqttConfig, load_section
+    from shared.config import ConfigError, mqtt_settings
     from shared.logs import configure
     from shared.topics import TopicError
 
@@ -56,7 +56,7 @@ def run(
     try:
         settings = load(config, model_path=str(model) if model else None,
                         state_dir=str(state_dir) if state_dir else None, prompt_style=prompt_style)
-        mqtt = MqttConfig.from_url(broker) if broker else load_section("mqtt", MqttConfig, config)
+        mqtt = mqtt_settings(config, broker)
         agent = EdgeAgent(settings, site=site, device=device, mqtt=mqtt)
         agent.run(stop)
     except (ConfigError, EdgeError, TopicError, AssetError) as e:
