@@ -59,9 +59,10 @@ def backlog_warning(snap: dict[str, Any]) -> str | None:
 
 
 def drain_title(in_flight: int, waiting: int, seconds_left: float) -> str:
-    """The view's title while the demo waits for its last answers: what is left and the countdown."""
+    """The view's title while the demo waits for its last answers: what is left and the countdown (short enough
+    for the compact layout's border at 80 columns)."""
     left = f"{waiting} to answer" + (f", {in_flight} in flight" if in_flight else "")
-    return f"Apiary Mesh demo — draining: {left}, {max(0.0, seconds_left):.0f} s left (Ctrl-C stops)"
+    return f"demo draining: {left}, {max(0.0, seconds_left):.0f} s left (Ctrl-C stops)"
 
 
 def _answered(snap: dict[str, Any]) -> str:

@@ -229,9 +229,14 @@ def test_the_drain_countdown_shows_in_plain_progress_lines(snap) -> None:
             view.update(snap, None, drain_title(1, 29, left))
             now[0] += 1.0
     lines = out.getvalue().splitlines()
-    titles = [f"Apiary Mesh demo — draining: 29 to answer, 1 in flight, {s} s left (Ctrl-C stops): "
-              for s in (120, 119, 118)]
+    titles = [f"demo draining: 29 to answer, 1 in flight, {s} s left (Ctrl-C stops): " for s in (120, 119, 118)]
     assert len(lines) == 3 and all(line.startswith(title) for line, title in zip(lines, titles)), lines
+
+
+def test_the_drain_countdown_fits_the_compact_layout(snap) -> None:
+    title = drain_title(12, 120, 118.2)
+    lines = shown(render(snap, None, title), 80, 24)
+    assert f" {title} " in lines[0] and len(lines[0]) <= 80
 
 
 def test_drain_waits_for_every_event_sent_and_every_answer(tmp_path: Path) -> None:
