@@ -17,6 +17,7 @@ is 0 lost and 0 answered twice.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import re
 import signal
@@ -27,7 +28,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import typer
 
@@ -208,13 +209,25 @@ def _count(stage: Stage, watch: Watch, seqs: list[int], drain: float) -> tuple[i
     return answered, twice, len(want) - answered
 
 
-def drill_cloud_kill(stage: Stage, n: int, drain: float) -> tuple[int, int, int]:
+@contextlib.contextmanager
+def _mesh(stage: Stage, *, cloud_away: bool = False) -> Iterator[tuple[Watch, Feeder]]:
+    """Broker, cloud (killed again when ``cloud_away``) and an edge that announced itself; a watcher and a feeder."""
     config = stage.start_broker()
     watch, feeder = Watch(config, "drill-watch"), Feeder(config)
     try:
         stage.start_cloud()
+        if cloud_away:
+            stage.kill(stage.cloud)  # escalations wait for it
         stage.start_edge()
         _wait(lambda: watch.births >= 1, 180, "the edge's birth")
+        yield watch, feeder
+    finally:
+        feeder.close()
+        watch.close()
+
+
+def drill_cloud_kill(stage: Stage, n: int, drain: float) -> tuple[int, int, int]:
+    with _mesh(stage) as (watch, feeder):
         seqs = list(range(1, n + 1))
         feeder.send(seqs)
         _wait(lambda: "pending" in stage.claims().values(), 300, "the cloud computing an escalation")
@@ -222,18 +235,10 @@ def drill_cloud_kill(stage: Stage, n: int, drain: float) -> tuple[int, int, int]
         stage.notes.append(f"killed with {list(stage.claims().values()).count('pending')} claims pending")
         stage.start_cloud()
         return _count(stage, watch, seqs, drain)
-    finally:
-        feeder.close()
-        watch.close()
 
 
 def drill_broker_restart(stage: Stage, n: int, drain: float) -> tuple[int, int, int]:
-    config = stage.start_broker()
-    watch, feeder = Watch(config, "drill-watch"), Feeder(config)
-    try:
-        stage.start_cloud()
-        stage.start_edge()
-        _wait(lambda: watch.births >= 1, 180, "the edge's birth")
+    with _mesh(stage) as (watch, feeder):
         feeder.send([1])
         _wait(lambda: (DEVICE, 1) in watch.answers, 300, "the first answer")
         stage.cloud.send_signal(signal.SIGSTOP)  # the cloud notices the restart only after the edge is back
@@ -245,21 +250,11 @@ def drill_broker_restart(stage: Stage, n: int, drain: float) -> tuple[int, int, 
         _wait(lambda: set(seqs) <= watch.escalated, 300, "the escalations at the broker, no cloud connected")
         stage.notes.append("edge back and escalating before the cloud")
         stage.cloud.send_signal(signal.SIGCONT)
-        answered, twice, lost = _count(stage, watch, [1, *seqs], drain)
-        return answered, twice, lost
-    finally:
-        feeder.close()
-        watch.close()
+        return _count(stage, watch, [1, *seqs], drain)
 
 
 def drill_edge_kill(stage: Stage, n: int, drain: float) -> tuple[int, int, int]:
-    config = stage.start_broker()
-    watch, feeder = Watch(config, "drill-watch"), Feeder(config)
-    try:
-        stage.start_cloud()
-        stage.kill(stage.cloud)  # the cloud is away: escalations wait for it
-        stage.start_edge()
-        _wait(lambda: watch.births >= 1, 180, "the edge's birth")
+    with _mesh(stage, cloud_away=True) as (watch, feeder):
         seqs = list(range(1, n + 1))
         feeder.send(seqs)
         _wait(lambda: set(seqs) <= watch.escalated, 300, "every escalation sent")
@@ -269,9 +264,6 @@ def drill_edge_kill(stage: Stage, n: int, drain: float) -> tuple[int, int, int]:
         _wait(lambda: watch.births >= 2, 180, "the edge's second birth")
         stage.start_cloud()
         return _count(stage, watch, seqs, drain)
-    finally:
-        feeder.close()
-        watch.close()
 
 
 def drill_bridge_burst(stage: Stage, frames: int, drain: float, buffer: int) -> tuple[int, int, int]:
