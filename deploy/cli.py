@@ -287,16 +287,33 @@ def pki_issue(name: str = typer.Argument(..., help="Common name: the node's name
               host: Optional[list[str]] = typer.Option(None, "--host", help="Server: an IP address or DNS name it "
                                                                            "answers on (repeatable; default NAME)."),
               out: Optional[Path] = typer.Option(None, help="Where NAME.crt and NAME.key go (default: the CA folder)."),
-              days: int = typer.Option(825, min=1, help="Validity in days.")) -> None:
+              days: int = typer.Option(825, min=1, help="Validity in days."),
+              role: str = typer.Option("device", help="device | cloud | bridge: what `apiary pki acl` grants it."),
+              site: Optional[str] = typer.Option(None, help="A device's site: `apiary pki acl` lets it publish "
+                                                            "only there (any site when omitted).")) -> None:
     """Issue NAME.crt and NAME.key signed by the CA. The broker takes a client certificate's name as the MQTT
     username, so the ACL binds the node to its own topics by its certificate."""
     from deploy.pki import PkiError, issue
 
     try:
-        made = issue(folder, name, server=server, hosts=host, days=days, out=out)
+        made = issue(folder, name, server=server, hosts=host, days=days, out=out, role=role, site=site)
     except PkiError as e:
         _fail(str(e))
     typer.echo(f"certificate: {made.cert}\nkey:         {made.key}")
+
+
+@pki_app.command("acl")
+def pki_acl(folder: Path = PKI_DIR,
+            out: Path = typer.Option(Path(".apiary/pki/fleet.acl"), help="The ACL file to write (the broker's "
+                                                                         "acl_file).")) -> None:
+    """Write the broker's ACL from every client certificate issued: each device bound to its own node and site."""
+    from deploy.pki import PkiError, write_acl
+
+    try:
+        path = write_acl(folder, out)
+    except PkiError as e:
+        _fail(str(e))
+    typer.echo(f"ACL: {path} (use it as acl_file with deploy/mosquitto/mosquitto-mtls.conf)")
 
 
 def register(app: typer.Typer) -> None:

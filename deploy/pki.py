@@ -3,7 +3,10 @@
 The broker (``deploy/mosquitto/mosquitto-mtls.conf``) requires a client certificate signed by this
 CA and takes the certificate's common name as the MQTT username (``use_identity_as_username``),
 so the shipped ACL binds a device to its own topics by its certificate: a device holding
-hive-0001's key can publish only as hive-0001. Keys are ECDSA P-256 (small and fast on a
+hive-0001's key can publish only as hive-0001. Issued with a site, a device is bound to that
+site as well: :func:`write_acl` turns the CA folder's register of issued certificates
+(``issued.jsonl``) into a Mosquitto ACL with one entry per node, so hive-0001 of site s1 cannot
+publish as ``other-site/hive-0001`` either. Keys are ECDSA P-256 (small and fast on a
 microcontroller-class device); private keys are written 0600 and never leave the folder they were
 made in. Built on ``cryptography``.
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -23,6 +27,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 CA_CERT = "ca.crt"
 CA_KEY = "ca.key"
+REGISTER = "issued.jsonl"  # one line per client certificate issued: name, role, site
+ROLES = ("device", "cloud", "bridge")
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # a node name (topics allow no more) or a host name
 
 
@@ -84,13 +90,18 @@ def _load_ca(folder: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey
 
 
 def issue(folder: str | Path, name: str, *, server: bool = False, hosts: list[str] | None = None,
-          days: int = 825, out: str | Path | None = None) -> Issued:
+          days: int = 825, out: str | Path | None = None, role: str = "device", site: str | None = None) -> Issued:
     """A certificate signed by the CA in ``folder`` with common name ``name``: a client certificate (the node's
-    MQTT identity) or, with ``server``, a broker/API certificate for ``hosts`` (IP addresses or DNS names).
+    MQTT identity, recorded in the CA's register with its ``role`` and, for a device, its ``site``) or, with
+    ``server``, a broker/API certificate for ``hosts`` (IP addresses or DNS names).
     Written as ``<name>.crt``/``<name>.key`` in ``out`` (default: the CA folder)."""
     folder = Path(folder)
     if not NAME.match(name):
         raise PkiError(f"name {name!r} must be 1-64 of A-Z a-z 0-9 _ . - (a node name or a host name)")
+    if role not in ROLES:
+        raise PkiError(f"role {role!r} is not one of {', '.join(ROLES)}")
+    if site is not None and (server or role != "device" or not NAME.match(site) or site.startswith("_")):
+        raise PkiError(f"a site ({site!r}) binds a device certificate; it must be a site name (A-Z a-z 0-9 _ . -)")
     ca_cert, ca_key = _load_ca(folder)
     sans: list[x509.GeneralName] = []
     for host in hosts or ([name] if server else []):
@@ -116,4 +127,42 @@ def issue(folder: str | Path, name: str, *, server: bool = False, hosts: list[st
     issued = Issued(target / f"{name}.crt", target / f"{name}.key")
     _write_key(issued.key, key)
     issued.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    if not server:
+        with open(folder / REGISTER, "a") as f:
+            f.write(json.dumps({"name": name, "role": role, "site": site, "serial": cert.serial_number}) + "\n")
     return issued
+
+
+def write_acl(folder: str | Path, path: str | Path) -> Path:
+    """A Mosquitto ACL for every client certificate the CA issued (its latest role and site per name).
+
+    ``cloud``: the whole mesh. ``bridge``: events of every device, answers, its own node. A device: only its
+    own node, and only under its site when it was issued with one (``+`` otherwise). No pattern lines, so a
+    name the CA never issued gets nothing.
+    """
+    folder = Path(folder)
+    nodes: dict[str, dict] = {}
+    try:
+        for line in (folder / REGISTER).read_text().splitlines():
+            if line.strip():
+                entry = json.loads(line)
+                nodes[entry["name"]] = entry
+    except FileNotFoundError:
+        raise PkiError(f"{folder} has issued no client certificates yet (apiary pki issue NAME)") from None
+    except (ValueError, KeyError) as e:
+        raise PkiError(f"{folder / REGISTER} is damaged: {e}") from None
+    lines = ["# Apiary Mesh ACL written by `apiary pki acl` from the fleet CA's register; regenerate, do not edit.",
+             "# The broker takes each client certificate's common name as the user (use_identity_as_username)."]
+    for name, entry in sorted(nodes.items()):
+        lines.append(f"\nuser {name}")
+        if entry["role"] == "cloud":
+            lines.append("topic readwrite apiary/#")
+        elif entry["role"] == "bridge":
+            lines += ["topic write apiary/v1/+/+/event", "topic read apiary/v1/+/+/answer",
+                      f"topic readwrite apiary/v1/+/{name}/#"]
+        else:
+            lines.append(f"topic readwrite apiary/v1/{entry.get('site') or '+'}/{name}/#")
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text("\n".join(lines) + "\n")
+    return target

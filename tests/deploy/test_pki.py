@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from apiary.cli import app
-from deploy.pki import PkiError, init_ca, issue
+from deploy.pki import PkiError, init_ca, issue, write_acl
 from shared import topics
 from shared.brokers import MTLS_CONFIG, MosquittoBroker
 from shared.config import MqttConfig, mqtt_settings
@@ -31,8 +31,20 @@ def test_cli_makes_a_ca_and_certificates_and_refuses_mistakes(tmp_path: Path) ->
         assert result.exit_code == 0, result.output
     for key in ("ca.key", "hive-0001.key", "broker.key"):
         assert stat.S_IMODE((pki / key).stat().st_mode) == 0o600
+    result = runner.invoke(app, ["pki", "issue", "cloud", "--role", "cloud", "--dir", str(pki)])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["pki", "issue", "hive-0001", "--site", "orchard", "--dir", str(pki)])  # re-issued
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["pki", "acl", "--dir", str(pki), "--out", str(tmp_path / "fleet.acl")])
+    assert result.exit_code == 0, result.output
+    acl = (tmp_path / "fleet.acl").read_text()
+    assert "user hive-0001\ntopic readwrite apiary/v1/orchard/hive-0001/#" in acl  # the latest issue counts
+    assert "user cloud\ntopic readwrite apiary/#" in acl and "pattern" not in acl
     for args, message in [
         (["init", "--dir", str(pki)], "already holds a CA"),
+        (["issue", "hive-0002", "--role", "king", "--dir", str(pki)], "role 'king'"),
+        (["issue", "cloud-2", "--role", "cloud", "--site", "s1", "--dir", str(pki)], "binds a device"),
+        (["acl", "--dir", str(tmp_path / "empty")], "issued no client certificates"),
         (["issue", "hive/0001", "--dir", str(pki)], "must be 1-64"),
         (["issue", "hive-0002", "--dir", str(tmp_path / "nowhere")], "no CA in"),
         (["issue", "b", "--server", "--host", "not a host", "--dir", str(pki)], "neither an IP address"),
@@ -42,16 +54,18 @@ def test_cli_makes_a_ca_and_certificates_and_refuses_mistakes(tmp_path: Path) ->
 
 
 def test_the_certificate_is_the_identity_on_a_real_mosquitto(tmp_path: Path) -> None:
-    """hive-0001's certificate publishes only as hive-0001; no certificate, or one from another CA, gets nowhere."""
+    """hive-0001's certificate publishes only as hive-0001 and only on its site (the ACL `apiary pki acl` writes);
+    no certificate, or one from another CA, gets nowhere."""
     pki = tmp_path / "pki"
     ca = init_ca(pki)
     server = issue(pki, "broker", server=True, hosts=["127.0.0.1"])
-    for node in ("cloud", "hive-0001"):
-        issue(pki, node)
+    issue(pki, "cloud", role="cloud")
+    issue(pki, "hive-0001", site=SITE)
     init_ca(tmp_path / "rogue")
-    rogue = issue(tmp_path / "rogue", "hive-0002")
+    issue(tmp_path / "rogue", "hive-0002")
+    acl = write_acl(pki, tmp_path / "fleet.acl")
     broker = MosquittoBroker(data_dir=tmp_path / "broker", config=MTLS_CONFIG, variables={
-        "cafile": str(ca.cert), "certfile": str(server.cert), "keyfile": str(server.key)})
+        "cafile": str(ca.cert), "certfile": str(server.cert), "keyfile": str(server.key), "acl_file": str(acl)})
     plain = broker.start()
 
     def login(node: str, folder: Path = pki) -> MqttConfig:
@@ -78,6 +92,9 @@ def test_the_certificate_is_the_identity_on_a_real_mosquitto(tmp_path: Path) -> 
         assert hive.protocol == "5"  # so a refused publish is told in its PUBACK
         assert hive.publish(topics.event(SITE, "hive-0001"), event("hive-0001", 1), timeout=10)
         assert not hive.publish(topics.event(SITE, "hive-0002"), event("hive-0002", 2), timeout=10)
+        phantom = make(SensorEvent(site="other-site", device="hive-0001", seq=3, timestamp=1.0, readings={}),
+                       sender="hive-0001")
+        assert not hive.publish(topics.event("other-site", "hive-0001"), phantom, timeout=10)  # not its site
         deadline = time.monotonic() + 10
         while not received and time.monotonic() < deadline:
             time.sleep(0.02)
