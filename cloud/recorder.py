@@ -13,6 +13,8 @@ session rule (``Store.record_state``).
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from shared import identity, topics
 from shared.logs import get_logger
 from shared.protocol import DeviceState, Envelope, InferenceResult, OtaStatus, SensorEvent
@@ -26,9 +28,13 @@ KINDS = ("state", "event", "answer", "ota/status")
 
 
 class Recorder:
-    def __init__(self, store: Store, metrics: Metrics | None = None) -> None:
+    def __init__(self, store: Store, metrics: Metrics | None = None, *,
+                 on_ota_status: Callable[[OtaStatus], None] | None = None) -> None:
+        """``on_ota_status``: called (on the MQTT thread; it must be quick) after each newly stored OTA status:
+        the rollout driver's wake-up."""
         self.store = store
         self.metrics = metrics
+        self.on_ota_status = on_ota_status
 
     def attach(self, transport) -> None:
         """Subscribe to every fleet topic on ``transport`` (a started or starting MqttTransport)."""
@@ -66,5 +72,8 @@ class Recorder:
         if isinstance(body, InferenceResult):
             return self.store.record_answer(env.id, body)
         if isinstance(body, OtaStatus):
-            return self.store.record_ota_status(env.id, body)
+            stored = self.store.record_ota_status(env.id, body)
+            if stored and self.on_ota_status is not None:
+                self.on_ota_status(body)
+            return stored
         return None

@@ -27,6 +27,7 @@ from cloud.auth import SCOPES, KeyRing
 from cloud.errors import CloudError
 from cloud.metrics import Metrics
 from cloud.recorder import Recorder
+from cloud.rollouts import RolloutDriver, publish_command
 from cloud.settings import CloudSettings
 from cloud.store import SqliteStore, Store
 from cloud.worker import EscalationWorker, WorkerConfig
@@ -74,6 +75,7 @@ class CloudService:
         self.transport = None
         self.worker: EscalationWorker | None = None
         self.recorder: Recorder | None = None
+        self.rollouts: RolloutDriver | None = None
         self.app = None
         self.info: ServiceInfo | None = None
         self._server = None
@@ -112,7 +114,7 @@ class CloudService:
             if s.broker:
                 self._start_mqtt(timeout)
             ctx = AppContext(settings=s, engine=self.engine, store=self.store, keys=self.keys, metrics=self.metrics,
-                             model_name=s.model_name, transport=self.transport)
+                             model_name=s.model_name, transport=self.transport, rollouts=self.rollouts)
             self.app = create_app(ctx)
             url = self._start_http(sock, timeout)
         except BaseException:
@@ -135,8 +137,11 @@ class CloudService:
         self.transport = MqttTransport(s.mqtt, s.worker_id, persistent=s.persistent_session,
                                        session_expiry_s=s.session_expiry_s,
                                        will=(state_topic, make(self._state("death"), sender=s.worker_id)))
+        transport = self.transport
+        self.rollouts = RolloutDriver(self.store, lambda cmd: publish_command(transport, cmd, sender=s.worker_id)[1],
+                                      owner=s.worker_id)
         if s.record:
-            self.recorder = Recorder(self.store, self.metrics)
+            self.recorder = Recorder(self.store, self.metrics, on_ota_status=self.rollouts.notify)
             self.recorder.attach(self.transport)
         if s.escalations:
             self.worker = EscalationWorker(self.engine, self.store, WorkerConfig(
@@ -149,6 +154,7 @@ class CloudService:
         except TransportError as e:
             raise CloudError(f"cannot reach the broker {s.broker}: {e}") from None
         self.transport.publish(state_topic, make(self._state("birth"), sender=s.worker_id), retain=True)
+        self.rollouts.start()  # resumes the running rollouts this process drove before a restart
 
     def _listen(self) -> socket.socket:
         """The HTTP socket, bound now: a taken port is reported before anything slow starts."""
@@ -198,6 +204,9 @@ class CloudService:
         if self._thread is not None:
             self._thread.join(15)
             self._thread = None
+        if self.rollouts is not None:
+            self.rollouts.stop()
+            self.rollouts = None
         if self.worker is not None:
             self.worker.stop()
             self.worker = None

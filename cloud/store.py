@@ -1,4 +1,4 @@
-"""Durable cloud state: fleet, events, answers, OTA progress, escalation results and operators' labels.
+"""Durable cloud state: fleet, events, answers, OTA progress, escalation results, operators' labels and rollouts.
 
 Everything a replica needs to answer correctly lives here, never only in one worker's
 memory: an escalation answered by one worker is found by any other worker (or the same
@@ -130,6 +130,46 @@ class Store(ABC):
     @abstractmethod
     def escalations(self, limit: int = 50, *, site: str | None = None, outcome: str | None = None) -> list[dict[str, Any]]: ...
 
+    # fleet rollouts (driven by cloud.rollouts.RolloutDriver)
+    @abstractmethod
+    def create_rollout(self, rollout: dict[str, Any], devices: list[tuple[str, str, int]]) -> None:
+        """Store a new rollout (the columns of ``rollouts``) and its devices as (site, device, wave)."""
+
+    @abstractmethod
+    def rollout(self, rollout_id: str) -> dict[str, Any] | None:
+        """One rollout's row, None when unknown."""
+
+    @abstractmethod
+    def rollouts(self, limit: int = 50, *, state: str | None = None) -> list[dict[str, Any]]:
+        """Rollouts, newest first."""
+
+    @abstractmethod
+    def rollout_devices(self, rollout_id: str) -> list[dict[str, Any]]:
+        """The rollout's devices in wave order, each with the newest OTA status of the rollout's image version
+        received since its command was sent (``ota_phase``, ``ota_detail``, ``ota_progress``, ``ota_at``; None
+        before the first)."""
+
+    @abstractmethod
+    def busy_devices(self, devices: list[tuple[str, str]]) -> dict[tuple[str, str], str]:
+        """Which of ``devices`` belong to a running rollout, and to which."""
+
+    @abstractmethod
+    def claim_rollout(self, rollout_id: str, owner: str, lease_s: float, *, now: float | None = None) -> bool:
+        """Take (or renew) the right to drive a running rollout: free, held by ``owner`` (a restart of the same
+        process), or its holder's lease ran out. False when another owner holds it or it is no longer running."""
+
+    @abstractmethod
+    def release_rollouts(self, owner: str) -> None:
+        """End ``owner``'s leases (a clean stop): any driver may take its rollouts over at once."""
+
+    @abstractmethod
+    def update_rollout(self, rollout_id: str, **fields: Any) -> None:
+        """Set the given columns of a rollout (state, reason, wave, wave_started_at, finished_at)."""
+
+    @abstractmethod
+    def update_rollout_device(self, rollout_id: str, site: str, device: str, **fields: Any) -> None:
+        """Set the given columns of one device of a rollout (sent_at, outcome, outcome_at)."""
+
     @abstractmethod
     def close(self) -> None: ...
 
@@ -178,6 +218,28 @@ CREATE TABLE IF NOT EXISTS labels (
     labelled_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS labels_by_time ON labels (labelled_at);
+CREATE TABLE IF NOT EXISTS rollouts (
+    id TEXT PRIMARY KEY, filename TEXT NOT NULL, image_version TEXT NOT NULL, sha256 TEXT NOT NULL,
+    signature TEXT NOT NULL, size INTEGER NOT NULL, url TEXT NOT NULL,
+    target TEXT NOT NULL,              -- JSON: {"site": s} | {"devices": [...]} | {"all": true}
+    canary REAL NOT NULL, wave_size INTEGER, max_failed_pct REAL NOT NULL, wave_timeout_s REAL NOT NULL,
+    waves INTEGER NOT NULL,
+    state TEXT NOT NULL,               -- running | completed | aborted
+    reason TEXT NOT NULL DEFAULT '',
+    wave INTEGER NOT NULL DEFAULT 0,   -- the wave in progress (0: the canary wave)
+    wave_started_at REAL, created_at REAL NOT NULL, finished_at REAL, created_by TEXT NOT NULL DEFAULT '',
+    driver TEXT, driver_until REAL     -- the cloud process driving it, and until when its lease holds
+);
+CREATE INDEX IF NOT EXISTS rollouts_by_time ON rollouts (created_at);
+CREATE TABLE IF NOT EXISTS rollout_devices (
+    rollout_id TEXT NOT NULL, site TEXT NOT NULL, device TEXT NOT NULL, wave INTEGER NOT NULL,
+    position INTEGER NOT NULL,
+    sent_at REAL,                      -- when its OTA command was published (acknowledged by the broker)
+    outcome TEXT,                      -- committed | failed | timed_out | skipped; null while undecided
+    outcome_at REAL,
+    PRIMARY KEY (rollout_id, site, device)
+);
+CREATE INDEX IF NOT EXISTS rollout_devices_by_node ON rollout_devices (site, device);
 """
 # Every statement is IF NOT EXISTS and runs at each open, so a database made by an older
 # version gains the newer tables and indexes (labels) without losing anything; newer columns
@@ -467,6 +529,87 @@ class SqliteStore(Store):
             d["error"] = result.get("error") if result else None
             out.append(d)
         return out
+
+    # ---- fleet rollouts --------------------------------------------------------------------
+    _ROLLOUT_FIELDS = {"state", "reason", "wave", "wave_started_at", "finished_at"}
+    _ROLLOUT_DEVICE_FIELDS = {"sent_at", "outcome", "outcome_at"}
+
+    def create_rollout(self, rollout: dict[str, Any], devices: list[tuple[str, str, int]]) -> None:
+        row = {**rollout, "target": _json(rollout["target"])}
+        names = ", ".join(row)
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute(f"INSERT INTO rollouts ({names}) VALUES ({', '.join('?' * len(row))})",
+                                 tuple(row.values()))
+                self._db.executemany(
+                    "INSERT INTO rollout_devices (rollout_id, site, device, wave, position) VALUES (?,?,?,?,?)",
+                    [(rollout["id"], site, device, wave, i) for i, (site, device, wave) in enumerate(devices)])
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    @staticmethod
+    def _rollout_row(r: sqlite3.Row) -> dict[str, Any]:
+        d = dict(r)
+        d["target"] = json.loads(d["target"])
+        return d
+
+    def rollout(self, rollout_id: str) -> dict[str, Any] | None:
+        rows = self._query("SELECT * FROM rollouts WHERE id=?", (rollout_id,))
+        return self._rollout_row(rows[0]) if rows else None
+
+    def rollouts(self, limit: int = 50, *, state: str | None = None) -> list[dict[str, Any]]:
+        rows = self._query("SELECT * FROM rollouts" + (" WHERE state=?" if state else "")
+                           + " ORDER BY created_at DESC, rowid DESC LIMIT ?", (state, limit) if state else (limit,))
+        return [self._rollout_row(r) for r in rows]
+
+    def rollout_devices(self, rollout_id: str) -> list[dict[str, Any]]:
+        rows = self._query(
+            """SELECT d.site, d.device, d.wave, d.sent_at, d.outcome, d.outcome_at,
+                      s.phase AS ota_phase, s.detail AS ota_detail, s.progress AS ota_progress,
+                      s.received_at AS ota_at
+               FROM rollout_devices d JOIN rollouts r ON r.id = d.rollout_id
+               LEFT JOIN ota_status s ON s.rowid = (
+                   SELECT rowid FROM ota_status o WHERE o.site = d.site AND o.device = d.device
+                       AND o.image_version = r.image_version AND d.sent_at IS NOT NULL AND o.received_at >= d.sent_at
+                   ORDER BY o.received_at DESC, o.rowid DESC LIMIT 1)
+               WHERE d.rollout_id=? ORDER BY d.wave, d.position""", (rollout_id,))
+        return [dict(r) for r in rows]
+
+    def busy_devices(self, devices: list[tuple[str, str]]) -> dict[tuple[str, str], str]:
+        busy: dict[tuple[str, str], str] = {}
+        for site, device in devices:
+            rows = self._query("SELECT d.rollout_id FROM rollout_devices d JOIN rollouts r ON r.id = d.rollout_id "
+                               "WHERE d.site=? AND d.device=? AND r.state='running' LIMIT 1", (site, device))
+            if rows:
+                busy[(site, device)] = rows[0][0]
+        return busy
+
+    def claim_rollout(self, rollout_id: str, owner: str, lease_s: float, *, now: float | None = None) -> bool:
+        now = now or time.time()
+        return self._write("UPDATE rollouts SET driver=?, driver_until=? WHERE id=? AND state='running' "
+                           "AND (driver IS NULL OR driver=? OR driver_until < ?)",
+                           (owner, now + lease_s, rollout_id, owner, now)) == 1
+
+    def release_rollouts(self, owner: str) -> None:
+        self._write("UPDATE rollouts SET driver_until=0 WHERE driver=?", (owner,))
+
+    def _set(self, table: str, allowed: set[str], fields: dict[str, Any], where: str, args: tuple) -> None:
+        unknown = set(fields) - allowed
+        if unknown:
+            raise ValueError(f"not a settable column of {table}: {sorted(unknown)}")
+        if fields:
+            self._write(f"UPDATE {table} SET {', '.join(f'{k}=?' for k in fields)} WHERE {where}",
+                        (*fields.values(), *args))
+
+    def update_rollout(self, rollout_id: str, **fields: Any) -> None:
+        self._set("rollouts", self._ROLLOUT_FIELDS, fields, "id=?", (rollout_id,))
+
+    def update_rollout_device(self, rollout_id: str, site: str, device: str, **fields: Any) -> None:
+        self._set("rollout_devices", self._ROLLOUT_DEVICE_FIELDS, fields, "rollout_id=? AND site=? AND device=?",
+                  (rollout_id, site, device))
 
     def close(self) -> None:
         with self._lock:

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException
 from cloud.api import errors
 from cloud.api.fleet import FILENAME_PATTERN, router as fleet_router, safe_image_path
 from cloud.api.inference import router as inference_router
+from cloud.api.rollouts import router as rollouts_router
 from cloud.api.schemas import ErrorResponse
 from cloud.api.security import BodyLimit, HttpMetrics
 from cloud.auth import KeyRing
@@ -32,7 +33,8 @@ DESCRIPTION = """Apiary Mesh cloud tier.
   `top_k`, `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `repetition_penalty`, `guided_*`;
   ours: `priority`, 0 = most urgent .. 9). Invalid values are 400s in OpenAI's error shape; unknown
   fields are ignored and named in the `X-Apiary-Ignored-Fields` response header.
-* **operator** scope: `/v1/fleet/...` (devices, events and their labels, answers, escalations, OTA).
+* **operator** scope: `/v1/fleet/...` (devices, events and their labels, answers, escalations, OTA,
+  rollouts).
 * open: `/healthz`, `/metrics` (Prometheus), `/v1/images/{filename}` (signed images, HTTP Range).
 
 Authenticate with `Authorization: Bearer <key>` or `X-API-Key: <key>`.
@@ -48,6 +50,7 @@ class AppContext:
     metrics: Metrics
     model_name: str
     transport: Any | None = None  # shared.transport.MqttTransport when a broker is configured
+    rollouts: Any | None = None  # cloud.rollouts.RolloutDriver when a broker is configured
     started: float = field(default_factory=time.time)
 
 
@@ -72,6 +75,7 @@ def create_app(ctx: AppContext) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=ctx.settings.max_body_bytes)
     app.add_middleware(HttpMetrics, metrics=ctx.metrics)
     app.include_router(inference_router)
+    app.include_router(rollouts_router)  # before the fleet router: /v1/fleet/rollouts is not a fleet sub-path
     app.include_router(fleet_router)
 
     @app.get("/healthz", response_model=Health, tags=["service"], summary="Liveness and a short status")

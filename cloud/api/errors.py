@@ -24,13 +24,13 @@ from cloud.api.schemas import ErrorResponse
 _log = get_logger("cloud.api")
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+               404: "not_found_error", 405: "invalid_request_error", 409: "invalid_request_error", 413: "request_too_large",
                416: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
                503: "service_unavailable"}
 # ``code`` is always a string, as OpenAI's is (clients switch on it): the cause where one is known
 # (``validation_error``, ``model_not_found``, ``overloaded`` …), else this one per status.
 ERROR_CODES = {400: "invalid_request", 401: "invalid_api_key", 403: "insufficient_scope", 404: "not_found",
-               405: "method_not_allowed", 413: "request_too_large", 416: "range_not_satisfiable",
+               405: "method_not_allowed", 409: "conflict", 413: "request_too_large", 416: "range_not_satisfiable",
                422: "invalid_request", 429: "overloaded", 499: "client_disconnected", 500: "internal_error",
                503: "service_unavailable"}
 

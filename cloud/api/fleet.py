@@ -16,14 +16,14 @@ from fastapi import APIRouter, Depends, Path as PathParam, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from shared import topics
 from shared.logs import get_logger
-from shared.protocol import Assessment, OtaCommand, make
+from shared.protocol import Assessment, OtaCommand
 
 from cloud.api.errors import ERROR_RESPONSES
 from cloud.api.schemas import ErrorResponse
 from cloud.api.security import require
 from cloud.auth import ApiKey
+from cloud.rollouts import publish_command
 
 # one dependency object, so a route that needs the caller's key gets the router's check (run once)
 operator = require("operator")
@@ -217,16 +217,20 @@ def publish_ota(request: Request, body: OtaRequest) -> OtaPublished:
         targets = [d["device"] for d in ctx.store.devices(body.site) if d["role"] != "cloud"]
         if not targets:
             raise HTTPException(404, f"no known devices at site {body.site!r}")
-    base = (ctx.settings.public_url or str(request.base_url)).rstrip("/")
-    url = f"{base}/v1/images/{body.filename}"
+    url = image_url(request, body.filename)
     published = []
     for device in targets:
         cmd = OtaCommand(site=body.site, device=device, image_version=body.image_version, url=url,
                          sha256=body.sha256, signature=body.signature, size=body.size)
-        topic = topics.ota_command(body.site, device)
-        acked = ctx.transport.publish(topic, make(cmd, sender=ctx.settings.worker_id), qos=1, timeout=5.0)
+        topic, acked = publish_command(ctx.transport, cmd, sender=ctx.settings.worker_id)
         published.append(OtaTarget(site=body.site, device=device, topic=topic, acked=acked))
     return OtaPublished(url=url, targets=published)
+
+
+def image_url(request: Request, filename: str) -> str:
+    """Where devices download ``filename``: this server's image route, at ``public_url`` when configured."""
+    base = (_ctx(request).settings.public_url or str(request.base_url)).rstrip("/")
+    return f"{base}/v1/images/{filename}"
 
 
 def safe_image_path(images_dir: str | Path, filename: str) -> Path | None:
