@@ -38,10 +38,14 @@ def serve(
     tls_cert: Optional[str] = typer.Option(None, help="serve HTTPS with this certificate (PEM; apiary pki issue "
                                                       "HOST --server)"),
     tls_key: Optional[str] = typer.Option(None, help="the certificate's private key (PEM)"),
+    drain_timeout: float = typer.Option(30.0, min=0, help="on SIGTERM or Ctrl-C, answer /ready with 503 and let "
+                                                          "in-flight requests finish for up to this many seconds "
+                                                          "before exiting (a second signal exits at once)"),
     config: Optional[Path] = typer.Option(None, help="apiary TOML config ([cloud] section; the broker's TLS files "
                                                      "from [mqtt]); also $APIARY_CONFIG"),
 ) -> None:
-    """Run the engine, the MQTT escalation worker and the REST API in one process until Ctrl-C."""
+    """Run the engine, the MQTT escalation worker and the REST API in one process until SIGTERM or Ctrl-C, then
+    drain: /ready answers 503, new requests are refused with 503, in-flight ones finish (--drain-timeout)."""
     import signal
     import threading
 
@@ -65,12 +69,23 @@ def serve(
     typer.echo(f"cloud service listening on {info.url} (model {info.model}, broker {info.broker or 'none'})")
     if info.api_key:
         typer.echo(f"API key for this process (inference + operator scopes): {info.api_key}")
-    stop = threading.Event()
+    stop, hurry = threading.Event(), threading.Event()
+
+    def on_signal(*_: object) -> None:
+        if stop.is_set():
+            hurry.set()  # a second signal: stop draining
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     try:
         while not stop.is_set() and service.running:
             stop.wait(0.5)
+        if stop.is_set() and service.running:
+            typer.echo(f"draining: finishing in-flight requests for up to {drain_timeout:g} s "
+                       "(signal again to stop now)")
+            if not service.drain(drain_timeout, cancel=hurry):
+                typer.echo("drain cut short: requests still in flight are cancelled", err=True)
     finally:
         service.stop()
         typer.echo("cloud service stopped")

@@ -1,20 +1,54 @@
-"""Prometheus metrics for one cloud process: HTTP, inference latencies, escalations, engine gauges.
+"""Prometheus metrics for one cloud process: vLLM's names where the meaning is the same, ours under ``apiary_``.
 
-Each service owns its own registry (several services can live in one test process), and
-the engine's own ``metrics()`` dict is exported on scrape as ``apiary_engine_*`` gauges,
-so the numbers are never copied and never stale.
+Each service owns its own registry (several services can live in one test process). Three sources:
+
+* **the engine's counters and gauges** (``LLMEngine.metrics()``), read at scrape time, so they are never
+  copied and never stale: ``vllm:num_requests_running|waiting``, ``vllm:kv_cache_usage_perc``,
+  ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``, ``vllm:num_preemptions_total``,
+  ``vllm:prefix_cache_queries_total|hits_total``, ``vllm:spec_decode_num_drafts|draft_tokens|accepted_tokens_total``
+  (labels ``model_name`` and ``engine``, as vLLM's), plus every numeric value as an ``apiary_engine_*`` gauge
+  except the engine's windowed percentiles and means (no percentile gauges: use the histograms);
+* **each finished engine request** (:class:`ObservedEngine`, the engine as the REST API and the MQTT worker see
+  it): the histograms ``vllm:time_to_first_token_seconds``, ``vllm:time_per_output_token_seconds``,
+  ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds`` (vLLM's buckets) and
+  ``vllm:request_success_total{finished_reason}``, from the engine's own timestamps;
+* **the fleet, as the recorder sees it** (:meth:`Metrics.watch_fleet`): answers by tier and status, escalation
+  reasons by rule and by the tier that answered, OTA reports by phase (counted off the same subscriptions,
+  de-duplicated by the transport and identity-checked like the recorder), and at scrape time from the store
+  the devices' battery, online state and last OTA phase.
+
+The service's own ``apiary_*`` HTTP, inference-path and escalation-worker series stay as they were.
 """
 from __future__ import annotations
 
+import contextlib
 import re
-from typing import Any, Callable, Iterator
+import threading
+from typing import Any, AsyncIterator, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+# vLLM's bucket choices (vllm/v1/metrics/loggers.py), so its dashboards' thresholds read the same here.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                   480.0, 960.0, 1920.0, 7680.0)
+
+VLLM_LABELS = ("model_name", "engine")
+ENGINE_INDEX = "0"  # one engine per process; vLLM labels each of its engine cores
+
+# Windowed summaries in LLMEngine.metrics() (ttft_p50, e2e_mean, ...): not exported, the histograms replace them.
+_WINDOWED = re.compile(r"_(p\d+|mean)$")
+_SPEC = re.compile(r"^spec_(?P<method>[a-z0-9]+)_(?P<what>proposed|accepted|verifications)$")
+
+MAX_REASONS = 32  # distinct escalation-reason label values kept per process; the rest count as "other"
 
 
 def _flatten(prefix: str, value: Any) -> Iterator[tuple[str, float]]:
@@ -27,20 +61,154 @@ def _flatten(prefix: str, value: Any) -> Iterator[tuple[str, float]]:
             yield from _flatten(f"{prefix}_{k}", v)
 
 
-class EngineCollector(Collector):
-    """Reads the engine's metrics dict at scrape time; every numeric leaf becomes a gauge."""
+def _number(values: dict[str, Any], key: str) -> float | None:
+    v = values.get(key)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
-    def __init__(self, read: Callable[[], dict[str, Any]]) -> None:
+
+class EngineCollector(Collector):
+    """Reads the engine's metrics dict at scrape time: vLLM's engine series, and ``apiary_engine_*`` gauges."""
+
+    def __init__(self, read: Callable[[], dict[str, Any]], model_name: str = "") -> None:
         self._read = read
+        self._labels = [model_name, ENGINE_INDEX]
 
     def collect(self):
         try:
             values = self._read()
         except Exception:  # a scrape must never take the service down
             return
+        yield from self._vllm(values)
         for name, value in _flatten("apiary_engine", values):
+            if _WINDOWED.search(name):
+                continue
             name = re.sub(r"[^a-zA-Z0-9_]", "_", name)
             yield GaugeMetricFamily(name, "engine metric (LLMEngine.metrics())", value=value)
+
+    def _gauge(self, name: str, doc: str, value: float | None):
+        if value is not None:
+            g = GaugeMetricFamily(name, doc, labels=VLLM_LABELS)
+            g.add_metric(self._labels, value)
+            yield g
+
+    def _counter(self, name: str, doc: str, value: float | None):
+        if value is not None:
+            c = CounterMetricFamily(name, doc, labels=VLLM_LABELS)
+            c.add_metric(self._labels, value)
+            yield c
+
+    def _vllm(self, v: dict[str, Any]):
+        yield from self._gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+                               _number(v, "requests_running"))
+        yield from self._gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                               _number(v, "requests_waiting"))
+        total, used = _number(v, "kv_blocks_total"), _number(v, "kv_blocks_used")
+        yield from self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage "
+                               "(blocks held by requests; cached free blocks count as free).",
+                               used / total if total and used is not None else None)
+        yield from self._counter("vllm:prompt_tokens", "Number of prefill tokens processed (prompt tokens of "
+                                 "admitted requests, prefix-cache hits included).", _number(v, "prompt_tokens"))
+        yield from self._counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                                 _number(v, "generated_tokens"))
+        yield from self._counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                                 _number(v, "preemptions"))
+        yield from self._counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried "
+                                 "tokens.", _number(v, "prompt_tokens"))
+        yield from self._counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                                 _number(v, "prefix_cached_tokens"))
+        spec: dict[str, float] = {}
+        for key, value in v.items():
+            m = _SPEC.match(key)
+            if m and isinstance(value, (int, float)):
+                spec[m["what"]] = spec.get(m["what"], 0.0) + float(value)
+        if spec:  # summed over the speculation methods the engine ran (ngram, draft)
+            yield from self._counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
+                                     spec.get("verifications"))
+            yield from self._counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                                     spec.get("proposed"))
+            yield from self._counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                                     spec.get("accepted"))
+
+
+class ObservedEngine:
+    """The engine as the REST API and the MQTT worker use it, observing every request that finishes.
+
+    ``stream`` and ``generate`` pass through unchanged (errors included); every other attribute is the engine's.
+    A stream left early closes the engine's stream at once, so its request is aborted as before.
+    """
+
+    def __init__(self, engine: Any, metrics: "Metrics", model_name: str) -> None:
+        self._engine = engine
+        self._metrics = metrics
+        self._model_name = model_name
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    async def stream(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        async with contextlib.aclosing(self._engine.stream(*args, **kwargs)) as outputs:
+            async for out in outputs:
+                if out.finished:
+                    self._metrics.observe_request(out, self._model_name)
+                yield out
+
+    async def generate(self, *args: Any, **kwargs: Any) -> Any:
+        last = None
+        async with contextlib.aclosing(self.stream(*args, **kwargs)) as outputs:
+            async for last in outputs:
+                pass
+        assert last is not None and last.finished
+        return last
+
+
+def reason_rules(reason: str | None) -> list[str]:
+    """The rules named in an answer's ``escalation_reason``, without their values, as a bounded label:
+    "low confidence: p10 logprob -2.31 < -1.50; flag swarm_risk is critical" -> ["low confidence",
+    "critical flag"]. What follows a rule in parentheses (why it was not escalated) is left out."""
+    rules = []
+    for part in (reason or "").split(";"):
+        head = part.split("(", 1)[0].split(":", 1)[0].strip().lower()
+        critical = re.fullmatch(r"(severity|kind|flag) .+ is critical", head)
+        if critical:
+            head = f"critical {critical.group(1)}"
+        else:  # "no cloud answer within 300 s": the words that carry a value are left out
+            head = " ".join(w for w in head.split() if not re.search(r"\d", w))
+        if head and head not in rules:
+            rules.append(head[:64])
+    return rules
+
+
+class FleetCollector(Collector):
+    """Per-device gauges read from the store at scrape time: what the recorder stored, whichever replica did."""
+
+    def __init__(self, devices: Callable[[], list[dict[str, Any]]]) -> None:
+        self._devices = devices
+
+    def collect(self):
+        try:
+            devices = self._devices()
+        except Exception:  # the database went away for a moment: no fleet series in this scrape
+            return
+        battery = GaugeMetricFamily("apiary_device_battery_soc", "a device's last reported battery state of charge "
+                                    "(0..1)", labels=["site", "device"])
+        online = GaugeMetricFamily("apiary_device_online", "1 while a node's session is alive (birth seen, no "
+                                   "death)", labels=["site", "device", "role"])
+        phases: dict[str, int] = {}
+        for d in devices:
+            site, device = str(d.get("site")), str(d.get("device"))
+            online.add_metric([site, device, str(d.get("role") or "edge")], 1.0 if d.get("online") else 0.0)
+            if isinstance(d.get("battery_soc"), (int, float)):
+                battery.add_metric([site, device], float(d["battery_soc"]))
+            last = d.get("last_ota")
+            if last and last.get("phase"):
+                phases[last["phase"]] = phases.get(last["phase"], 0) + 1
+        ota = GaugeMetricFamily("apiary_devices_ota_phase", "devices by the phase of their last OTA report",
+                                labels=["phase"])
+        for phase, n in sorted(phases.items()):
+            ota.add_metric([phase], n)
+        yield battery
+        yield online
+        yield ota
 
 
 class Metrics:
@@ -65,9 +233,87 @@ class Metrics:
                                 "message type when stored, <type>_ignored when stale or repeated, "
                                 "<type>_refused when its body names another node than its topic",
                                 ["kind"], registry=r)
+        # vLLM's per-request series (observed by ObservedEngine from the engine's own timestamps)
+        self.vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in "
+                                   "seconds.", VLLM_LABELS, buckets=TTFT_BUCKETS, registry=r)
+        self.vllm_tpot = Histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in "
+                                   "seconds (one observation per request: its mean after the first token).",
+                                   VLLM_LABELS, buckets=TPOT_BUCKETS, registry=r)
+        self.vllm_e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                                  VLLM_LABELS, buckets=REQUEST_BUCKETS, registry=r)
+        self.vllm_queue = Histogram("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase "
+                                    "for request.", VLLM_LABELS, buckets=REQUEST_BUCKETS, registry=r)
+        self.vllm_success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                    VLLM_LABELS + ("finished_reason",), registry=r)
+        # the fleet, from the messages the recorder sees
+        self.answers = Counter("apiary_answers", "final answers published by the fleet, by the tier that answered "
+                               "and their status (tier=edge: the edge answers)", ["tier", "status"], registry=r)
+        self.escalation_reasons = Counter("apiary_escalation_reasons", "answers whose escalation named this rule, "
+                                          "by the tier that gave the final answer (one answer counts once per rule)",
+                                          ["reason", "tier"], registry=r)
+        self.ota_reports = Counter("apiary_ota_reports", "OTA progress reports by phase", ["phase"], registry=r)
+        self._reasons: set[str] = set()
+        self._lock = threading.Lock()
 
-    def watch_engine(self, read: Callable[[], dict[str, Any]]) -> None:
-        self.registry.register(EngineCollector(read))
+    def watch_engine(self, read: Callable[[], dict[str, Any]], model_name: str = "") -> None:
+        self.registry.register(EngineCollector(read, model_name))
+
+    def observe_request(self, out: Any, model_name: str) -> None:
+        """One finished engine request (a ``RequestOutput`` with ``finished=True``)."""
+        labels = (model_name, ENGINE_INDEX)
+        m = out.metrics
+        self.vllm_success.labels(*labels, out.finish_reason or "stop").inc()
+        if out.finish_reason == "abort":
+            return
+        if m.ttft is not None:
+            self.vllm_ttft.labels(*labels).observe(m.ttft)
+        if m.queue_time is not None:
+            self.vllm_queue.labels(*labels).observe(m.queue_time)
+        if m.finish_time is not None:
+            self.vllm_e2e.labels(*labels).observe(m.finish_time - m.arrival_time)
+            n = len(out.output_token_ids)
+            if m.first_token_time is not None and n > 1:
+                self.vllm_tpot.labels(*labels).observe((m.finish_time - m.first_token_time) / (n - 1))
+
+    def observed(self, engine: Any, model_name: str) -> ObservedEngine:
+        """``engine`` as the API and the worker should use it: every finished request lands in the histograms."""
+        return ObservedEngine(engine, self, model_name)
+
+    # ---- the fleet ----------------------------------------------------------------------------
+    def watch_fleet(self, transport: Any, devices: Callable[[], list[dict[str, Any]]]) -> None:
+        """Count answers and OTA reports off ``transport`` (beside the recorder, on the same topics) and export
+        the devices ``devices()`` lists (the store's fleet) at scrape time."""
+        from shared import topics
+
+        transport.subscribe(topics.all_of("answer"), self.observe_fleet_message, qos=1)
+        transport.subscribe(topics.all_of("ota/status"), self.observe_fleet_message, qos=1)
+        self.registry.register(FleetCollector(devices))
+
+    def observe_fleet_message(self, topic: str, env: Any) -> None:
+        """One answer or OTA report as the recorder gets it; a body speaking for another node is not counted."""
+        from shared import identity
+        from shared.protocol import InferenceResult, OtaStatus
+
+        try:
+            identity.check(topic, env)
+        except identity.IdentityError:
+            return
+        body = env.body
+        if isinstance(body, InferenceResult):
+            self.answers.labels(body.tier, body.status).inc()
+            for rule in reason_rules(body.escalation_reason):
+                self.escalation_reasons.labels(self._bounded(rule), body.tier).inc()
+        elif isinstance(body, OtaStatus):
+            self.ota_reports.labels(body.phase).inc()
+
+    def _bounded(self, rule: str) -> str:
+        with self._lock:
+            if rule in self._reasons:
+                return rule
+            if len(self._reasons) < MAX_REASONS:
+                self._reasons.add(rule)
+                return rule
+        return "other"
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

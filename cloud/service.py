@@ -72,6 +72,11 @@ class CloudService:
         self._own_store = store is None
         self.keys: KeyRing | None = None
         self.metrics = Metrics()
+        from cloud.api.health import Lifecycle
+
+        self.lifecycle = Lifecycle(broker_required=bool(settings.broker))  # what /ready answers; drain() moves it
+        self.gate = None  # cloud.api.health.Gate: what uvicorn serves (probes while the model loads, then the app)
+        self._served = None  # the engine as the API and the worker use it (its requests observed for metrics)
         self.transport = None
         self.worker: EscalationWorker | None = None
         self.recorder: Recorder | None = None
@@ -97,6 +102,7 @@ class CloudService:
 
     def _start(self, timeout: float) -> ServiceInfo:
         from cloud.api import AppContext, create_app
+        from cloud.api.health import Gate
 
         s = self.settings
         # Fail fast: what can be wrong in a moment is checked before the model load (a minute on a busy CPU).
@@ -109,16 +115,23 @@ class CloudService:
             api_key = None
             if s.generate_key == "always" or (s.generate_key == "auto" and len(self.keys) == 0):
                 api_key = self.keys.create(SCOPES, name="generated", persist=False)
+            self.gate = Gate(self.lifecycle, self.metrics)
+            url = self._start_http(sock, timeout)  # /health and /ready answer while the model loads
             self.engine = self.engine or build_engine(s)
-            self.metrics.watch_engine(self.engine.metrics)
+            self.lifecycle.model_loaded = True
+            self.metrics.watch_engine(self.engine.metrics, s.model_name)
+            self._served = self.metrics.observed(self.engine, s.model_name)
             if s.broker:
                 self._start_mqtt(timeout)
-            ctx = AppContext(settings=s, engine=self.engine, store=self.store, keys=self.keys, metrics=self.metrics,
+            self.lifecycle.transport = self.transport
+            ctx = AppContext(settings=s, engine=self._served, store=self.store, keys=self.keys, metrics=self.metrics,
                              model_name=s.model_name, transport=self.transport, rollouts=self.rollouts)
+            ctx.lifecycle = self.lifecycle
             self.app = create_app(ctx)
-            url = self._start_http(sock, timeout)
+            self.gate.app = self.app
         except BaseException:
-            sock.close()  # the server never started on it (or stop() ends it): free the port
+            if self._server is None or not self._server.started:
+                sock.close()  # the server never started on it: free the port (else stop() ends the server and it)
             raise
         self.info = ServiceInfo(url=url, api_key=api_key, model=s.model_name, broker=s.broker, worker_id=s.worker_id)
         _log.info("cloud service up at %s (model %s, broker %s)", url, s.model_name, s.broker or "none")
@@ -143,8 +156,9 @@ class CloudService:
         if s.record:
             self.recorder = Recorder(self.store, self.metrics, on_ota_status=self.rollouts.notify)
             self.recorder.attach(self.transport)
+            self.metrics.watch_fleet(self.transport, self.store.devices)
         if s.escalations:
-            self.worker = EscalationWorker(self.engine, self.store, WorkerConfig(
+            self.worker = EscalationWorker(self._served, self.store, WorkerConfig(
                 worker_id=s.worker_id, model_name=s.model_name, share_group=s.share_group,
                 concurrency=s.worker_concurrency, claim_lease_s=s.claim_lease_s,
                 overload_retry_s=s.overload_retry_s), self.metrics)
@@ -179,7 +193,7 @@ class CloudService:
 
         s = self.settings
         port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False,
+        config = uvicorn.Config(self.gate, log_level="warning", lifespan="off", access_log=False,
                                 timeout_graceful_shutdown=5, ssl_certfile=s.tls_cert, ssl_keyfile=s.tls_key)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="cloud-http",
@@ -196,6 +210,29 @@ class CloudService:
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def drain(self, timeout: float, cancel: threading.Event | None = None) -> bool:
+        """Stop taking work and wait up to ``timeout`` s (or until ``cancel`` is set) for what is in flight;
+        True when nothing was left. ``/ready`` answers 503 from now on and new HTTP requests get 503 with
+        ``Retry-After`` (a load balancer sends them to another replica); HTTP requests in flight run to their
+        last byte and engine requests (REST and MQTT) to their end. Escalations the broker still hands this
+        worker meanwhile are taken; what ``stop()`` then cancels keeps its claim with the lease ended, so
+        another worker takes it over at the edge's re-send."""
+        self.lifecycle.draining = True
+        deadline = time.monotonic() + timeout
+        while not self._idle():
+            if time.monotonic() >= deadline or (cancel is not None and cancel.is_set()):
+                return False
+            time.sleep(0.05)
+        return True
+
+    def _idle(self) -> bool:
+        if self.lifecycle.in_flight:
+            return False
+        if self.engine is None:
+            return True
+        m = self.engine.metrics()
+        return not m.get("requests_running") and not m.get("requests_waiting")
 
     def stop(self) -> None:
         """Stop accepting, finish or cancel what runs, say goodbye on the broker, release the engine."""

@@ -11,12 +11,13 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Path as PathParam
-from fastapi.responses import FileResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from cloud.api import errors
 from cloud.api.fleet import FILENAME_PATTERN, router as fleet_router, safe_image_path
+from cloud.api.health import Lifecycle, liveness
 from cloud.api.inference import router as inference_router
 from cloud.api.rollouts import router as rollouts_router
 from cloud.api.schemas import ErrorResponse
@@ -35,7 +36,9 @@ DESCRIPTION = """Apiary Mesh cloud tier.
   fields are ignored and named in the `X-Apiary-Ignored-Fields` response header.
 * **operator** scope: `/v1/fleet/...` (devices, events and their labels, answers, escalations, OTA,
   rollouts).
-* open: `/healthz`, `/metrics` (Prometheus), `/v1/images/{filename}` (signed images, HTTP Range).
+* open: `/health` (liveness), `/ready` (readiness: 503 while the model loads, without the broker, or
+  draining), `/healthz` (liveness with a status summary), `/metrics` (Prometheus),
+  `/v1/images/{filename}` (signed images, HTTP Range).
 
 Authenticate with `Authorization: Bearer <key>` or `X-API-Key: <key>`.
 """
@@ -52,6 +55,7 @@ class AppContext:
     transport: Any | None = None  # shared.transport.MqttTransport when a broker is configured
     rollouts: Any | None = None  # cloud.rollouts.RolloutDriver when a broker is configured
     started: float = field(default_factory=time.time)
+    lifecycle: Lifecycle | None = None  # readiness and draining (CloudService's); None: loaded, never draining
 
 
 class Health(BaseModel):
@@ -77,6 +81,20 @@ def create_app(ctx: AppContext) -> FastAPI:
     app.include_router(inference_router)
     app.include_router(rollouts_router)  # before the fleet router: /v1/fleet/rollouts is not a fleet sub-path
     app.include_router(fleet_router)
+
+    lifecycle = ctx.lifecycle or Lifecycle(model_loaded=True, broker_required=ctx.transport is not None,
+                                           transport=ctx.transport, started=ctx.started)
+
+    @app.get("/health", tags=["service"], summary="Liveness: 200 while the process answers, in every phase")
+    def health() -> dict[str, Any]:
+        return liveness(lifecycle)
+
+    @app.get("/ready", tags=["service"], summary="Readiness: 200 when the model is loaded, the broker (if any) "
+             "connected and the process not draining; else 503 with the reasons",
+             responses={503: {"description": "not ready: the body names why"}})
+    def ready() -> Response:
+        ok, body = lifecycle.readiness()
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/healthz", response_model=Health, tags=["service"], summary="Liveness and a short status")
     def healthz() -> Health:
