@@ -1,8 +1,9 @@
-"""`apiary finetune`, `apiary distill`, `apiary quantize`, `apiary image keygen|build|verify|command` and
+"""`apiary finetune`, `apiary distill`, `apiary quantize`, `apiary image keygen|build|verify|command|rollout` and
 `apiary pki init|issue`: making what runs on devices, and the certificates they connect with."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -167,7 +168,7 @@ def quantize_command(
                            "top1_agreement_vs_fp32": r.top1_agreement, "positions": r.positions}, indent=1))
 
 
-image_app = typer.Typer(help="Signed edge images: keys, build, verify, OTA command.", no_args_is_help=True)
+image_app = typer.Typer(help="Signed edge images: keys, build, verify, OTA command, fleet rollout.", no_args_is_help=True)
 
 
 @image_app.command("keygen")
@@ -251,6 +252,88 @@ def ota_command(archive: Path = typer.Argument(...),
         if not ok:
             _fail("the broker did not acknowledge the OTA command within 10 s")
         typer.echo(f"published on {topics.ota_command(site, device)}")
+
+
+@image_app.command("rollout")
+def rollout(filename: str = typer.Argument(..., help="An image in the cloud's images directory (`cloud serve --images`)."),
+            url: str = typer.Option(..., help="The cloud's REST API, e.g. http://127.0.0.1:8000."),
+            api_key: str = typer.Option(..., help="A key with the operator scope (`apiary cloud keys create`)."),
+            site: Optional[str] = typer.Option(None, help="Target: every known edge device of this site."),
+            device: Optional[list[str]] = typer.Option(None, help="Target: SITE/DEVICE, repeatable; the first ones "
+                                                                  "are the canaries."),
+            all_devices: bool = typer.Option(False, "--all", help="Target: every known edge device."),
+            canary: float = typer.Option(0.1, min=0.0, max=1.0, help="Fraction of the targets in the first wave "
+                                                                     "(rounded up, at least one device)."),
+            wave_size: Optional[int] = typer.Option(None, min=1, help="Devices per later wave (default: all the rest "
+                                                                      "in one)."),
+            max_failed_pct: float = typer.Option(0.0, min=0.0, max=100.0, help="Abort when more than this % of a "
+                                                 "wave rolled back, was refused, failed or timed out."),
+            wave_timeout: float = typer.Option(1800.0, help="Seconds a wave's devices have to commit; the ones that "
+                                                            "did not count as failed."),
+            sha256: Optional[str] = typer.Option(None, help="Refuse unless the served archive has this sha256 (as "
+                                                            "`image build` printed it)."),
+            poll: float = typer.Option(2.0, min=0.05, help="Seconds between progress checks.")) -> None:
+    """Roll an image out through the cloud (POST /v1/fleet/rollouts) in waves, canary first, and print each
+    device's progress until the rollout completed (exit 0) or was aborted (exit 1)."""
+    import httpx
+
+    body: dict = {"filename": filename, "canary": canary, "wave_size": wave_size, "max_failed_pct": max_failed_pct,
+                  "wave_timeout_s": wave_timeout, "sha256": sha256}
+    if site is not None:
+        body["site"] = site
+    if device:
+        nodes = [d.split("/", 1) for d in device]
+        if any(len(n) != 2 for n in nodes):
+            _fail("--device takes SITE/DEVICE")
+        body["devices"] = [{"site": s, "device": d} for s, d in nodes]
+    if all_devices:
+        body["all"] = True
+    with httpx.Client(base_url=url.rstrip("/"), headers={"Authorization": f"Bearer {api_key}"}, timeout=30) as http:
+        try:
+            r = http.post("/v1/fleet/rollouts", json=body)
+        except httpx.HTTPError as e:
+            _fail(f"cannot reach {url}: {e}")
+        if r.status_code != 201:
+            _fail(f"the cloud refused the rollout ({r.status_code}): {_error_message(r)}")
+        state = r.json()
+        first = sum(d["wave"] == 0 for d in state["devices"])
+        typer.echo(f"rollout {state['id']}: {state['image_version']} ({filename}) to {len(state['devices'])} devices "
+                   f"in {state['waves']} waves, {first} in the canary wave")
+        shown: dict[tuple[str, str], tuple] = {}
+        announced = -1  # the last wave a line was printed for
+        while True:
+            for d in state["devices"]:  # in wave order
+                seen = (d["phase"], d["progress"] if d["phase"] == "downloading" else None)
+                if shown.get((d["site"], d["device"])) != seen and d["phase"] not in ("pending", "skipped"):
+                    shown[(d["site"], d["device"])] = seen
+                    if d["wave"] > announced:
+                        announced = d["wave"]
+                        typer.echo(f"wave {announced + 1} of {state['waves']}")
+                    pct = f" {seen[1]:.0%}" if seen[1] is not None else ""
+                    detail = f" ({d['detail']})" if d["detail"] and d["phase"] != "downloading" else ""
+                    typer.echo(f"  {d['site']}/{d['device']}  wave {d['wave'] + 1}  {d['phase']}{pct}{detail}")
+            if state["state"] != "running":
+                break
+            time.sleep(poll)
+            try:
+                r = http.get(f"/v1/fleet/rollouts/{state['id']}")
+            except httpx.HTTPError as e:  # a cloud restart: the rollout is in its store and resumes
+                typer.secho(f"cannot reach {url} ({e}); trying again", fg=typer.colors.YELLOW, err=True)
+                continue
+            if r.status_code != 200:
+                _fail(f"cannot read rollout {state['id']} ({r.status_code}): {_error_message(r)}")
+            state = r.json()
+    counts = ", ".join(f"{n} {phase}" for phase, n in sorted(state["counts"].items()))
+    typer.echo(f"{state['state']}: {state['reason']} ({counts})")
+    if state["state"] != "completed":
+        raise typer.Exit(1)
+
+
+def _error_message(response) -> str:
+    try:
+        return response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return response.text[:300]
 
 
 def _read_config(path: Path) -> dict:
