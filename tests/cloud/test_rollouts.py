@@ -267,6 +267,31 @@ def test_image_facts_are_read_from_the_archive_and_a_non_image_is_refused(tmp_pa
         rollouts.image_facts(bogus)
 
 
+def test_the_recorder_wakes_the_driver_once_per_stored_ota_status(fleet: Fleet) -> None:
+    from cloud.recorder import Recorder
+    from shared import topics
+    from shared.protocol import make
+
+    seen: list[str] = []
+    recorder = Recorder(fleet.store, on_ota_status=lambda status: seen.append(status.phase))
+    env = make(OtaStatus(site="s", device="a", image_version=VERSION, phase="received"), sender="a")
+    recorder.handle(topics.ota_status("s", "a"), env)
+    recorder.handle(topics.ota_status("s", "a"), env)  # a QoS 1 redelivery: stored once, no second wake-up
+    recorder.handle(topics.ota_status("s", "b"), make(OtaStatus(site="s", device="a", image_version=VERSION,
+                                                                phase="committed"), sender="b"))  # a spoof: refused
+    assert seen == ["received"]
+
+
+def test_the_cli_refuses_a_device_without_its_site_before_calling_the_cloud() -> None:
+    from typer.testing import CliRunner
+
+    from apiary.cli import app
+
+    result = CliRunner().invoke(app, ["image", "rollout", "edge.tar", "--url", "http://127.0.0.1:9", "--api-key", "k",
+                                      "--device", "hive-1"])
+    assert result.exit_code == 2 and "--device takes SITE/DEVICE" in result.output, result.output
+
+
 # ---------------------------------------------------------------- the REST routes, without a broker
 
 

@@ -185,6 +185,17 @@ def test_a_canary_that_fails_its_health_check_aborts_the_rollout_and_the_rest_ne
         assert running["hive-1"].image_version is None
         assert op.http.get("/v1/fleet/rollouts", params={"state": "aborted"}).json()[0]["id"] == created["id"]
 
+        cli = ["image", "rollout", "--url", service.url, "--api-key", operator_key, "--poll", "0.2"]
+        refused = CliRunner().invoke(app, [*cli, "nope.tar", "--site", SITE])
+        assert refused.exit_code == 2 and "refused the rollout (404): image 'nope.tar' is not in the images" \
+            in refused.output, refused.output
+        # now the other device on its own: it fails the same way, and the command says so with exit status 1
+        alone = CliRunner().invoke(app, [*cli, info.path.name, "--device", f"{SITE}/hive-2", "--canary", "1"])
+        assert alone.exit_code == 1, alone.output
+        assert alone.output.splitlines()[-1].startswith("aborted: wave 1 of 1: 1 of 1 devices rolled back"), \
+            alone.output
+        assert "  meadow/hive-2  wave 1  rolled_back (health check failed" in alone.output
+
 
 def test_a_cloud_restart_mid_rollout_resumes_it(mosquitto, make_service, operator_key: str, tmp_path: Path, signing,
                                                  student: Path, built_in) -> None:
