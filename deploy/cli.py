@@ -301,6 +301,7 @@ def rollout(filename: str = typer.Argument(..., help="An image in the cloud's im
                    f"in {state['waves']} waves, {first} in the canary wave")
         shown: dict[tuple[str, str], tuple] = {}
         announced = -1  # the last wave a line was printed for
+        lost = False  # the cloud did not answer the last poll
         while True:
             for d in state["devices"]:  # in wave order
                 seen = (d["phase"], d["progress"] if d["phase"] == "downloading" else None)
@@ -318,8 +319,14 @@ def rollout(filename: str = typer.Argument(..., help="An image in the cloud's im
             try:
                 r = http.get(f"/v1/fleet/rollouts/{state['id']}")
             except httpx.HTTPError as e:  # a cloud restart: the rollout is in its store and resumes
-                typer.secho(f"cannot reach {url} ({e}); trying again", fg=typer.colors.YELLOW, err=True)
+                if not lost:
+                    typer.secho(f"cannot reach {url} ({e}); trying again every {poll:g} s", fg=typer.colors.YELLOW,
+                                err=True)
+                lost = True
                 continue
+            if lost:
+                typer.secho(f"{url} answers again", fg=typer.colors.YELLOW, err=True)
+                lost = False
             if r.status_code != 200:
                 _fail(f"cannot read rollout {state['id']} ({r.status_code}): {_error_message(r)}")
             state = r.json()

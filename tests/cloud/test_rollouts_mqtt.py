@@ -6,7 +6,11 @@ check). No events are sent: a committed model is switched to at once, and nothin
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import socket
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Iterator
@@ -20,7 +24,7 @@ from edge.agent import EdgeAgent
 from edge.model import LocalModel
 from edge.settings import EdgeSettings, OtaSettings, PolicySettings
 from shared import image
-from tests.edge.helpers import FileServer
+from tests.edge.helpers import ROOT, FileServer
 from tests.shared.helpers import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -199,10 +203,11 @@ def test_a_canary_that_fails_its_health_check_aborts_the_rollout_and_the_rest_ne
 
 def test_a_cloud_restart_mid_rollout_resumes_it(mosquitto, make_service, operator_key: str, tmp_path: Path, signing,
                                                  student: Path, built_in) -> None:
-    """The canary's download is held half-way while the cloud stops and a new process (same store, same worker id)
-    starts; once the download goes on, the new process sees the canary commit and sends the second wave. The images
-    come from a file server standing where a proxy in front of the cloud would be (``public_url``), so they stay
-    reachable while the cloud restarts."""
+    """`apiary image rollout` (its own process) starts a rollout; the canary's download is held half-way while the
+    cloud stops, the command finds it gone, and a new cloud process (same store, worker id and port) starts. Once the
+    download goes on, the new process sees the canary commit and sends the second wave, and the command, still
+    polling, prints the end. The images come from a file server standing where a proxy in front of the cloud would
+    be (``public_url``), so they stay reachable while the cloud restarts."""
     images = tmp_path / "images"
     images.mkdir(exist_ok=True)
     info = good_image(images, student, signing[0])
@@ -212,28 +217,43 @@ def test_a_cloud_restart_mid_rollout_resumes_it(mosquitto, make_service, operato
     files.files[name] = info.path
     gate = threading.Event()
     files.hold_next[name] = (info.size // 2, gate)
-    base = files.url("").rstrip("/")
-    cloud = dict(broker=mosquitto.config.url, worker_id="cloud-rollout", escalations=False, public_url=base)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cloud = dict(broker=mosquitto.config.url, worker_id="cloud-rollout", escalations=False, port=port,
+                 public_url=files.url("").rstrip("/"))
     names = ["hive-1", "hive-2"]
+    out, err = tmp_path / "cli.out", tmp_path / "cli.err"
+    cli = None
     try:
         first = make_service(**cloud)
         op = Operator(first.url, operator_key)
         with agents(mosquitto, tmp_path, signing[1], built_in, names) as running:
             op.wait_online(names)
-            r = op.http.post("/v1/fleet/rollouts", json={"filename": info.path.name, "site": SITE, "canary": 0.5})
-            assert r.status_code == 201, r.text
-            rollout_id = r.json()["id"]
-            wait_until(files.held.is_set, 60, "the canary's download to reach its middle")
+            with open(out, "w") as stdout, open(err, "w") as stderr:
+                cli = subprocess.Popen([str(Path(sys.executable).parent / "apiary"), "image", "rollout",
+                                        info.path.name, "--url", first.url, "--api-key", operator_key, "--site", SITE,
+                                        "--canary", "0.5", "--poll", "0.2"], cwd=ROOT, stdout=stdout, stderr=stderr,
+                                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+            wait_until(files.held.is_set, 120, "the canary's download to reach its middle")
+            rollout_id = op.http.get("/v1/fleet/rollouts").json()[0]["id"]
             first.stop()
+            wait_until(lambda: "trying again" in err.read_text(), 60, "the command to find the cloud gone")
 
             second = make_service(**cloud)
-            op = Operator(second.url, operator_key)
+            assert second.url == first.url
             mid = op.rollout(rollout_id)
             assert mid["state"] == "running" and mid["wave"] == 0
             assert [d["phase"] for d in mid["devices"]][1] == "pending"
             gate.set()
-            done = op.finished(rollout_id, 600)
-            assert done["state"] == "completed", done
+            assert cli.wait(600) == 0, out.read_text() + err.read_text()
+            lines = out.read_text().splitlines()
+            said = err.read_text().splitlines()
+            assert len(said) == 2 and "trying again" in said[0] and said[1] == f"{first.url} answers again", said
+            assert lines[-1].startswith(f"completed: 2 of 2 devices committed {NEW}"), lines
+            assert "wave 2 of 2" in lines and "  meadow/hive-2  wave 2  committed" in "\n".join(lines)
+
+            done = op.rollout(rollout_id)
             assert [(d["device"], d["wave"], d["outcome"]) for d in done["devices"]] == [
                 ("hive-1", 0, "committed"), ("hive-2", 1, "committed")]
             assert sum(s["phase"] == "received" for s in op.ota("hive-1")) == 1  # the canary got one command
@@ -242,5 +262,8 @@ def test_a_cloud_restart_mid_rollout_resumes_it(mosquitto, make_service, operato
             assert {n: running[n].image_version for n in names} == {n: NEW for n in names}
     finally:
         gate.set()
+        if cli is not None and cli.poll() is None:
+            cli.kill()
+            cli.wait()
         files.httpd.shutdown()
         files.httpd.server_close()
