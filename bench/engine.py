@@ -18,9 +18,11 @@ process's CPU seconds per wall second) beside its throughput.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import resource
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -179,6 +181,27 @@ def run_llama_cpp(path: Path, work: list[Request], threads: int) -> Result:
     return Result("", "", wall, sum(r.max_tokens for r in work), extra={"tokens": outputs}, cpu_s=cpu)
 
 
+def run_llama_cpp_process(path: Path, work: list[Request], threads: int, env: dict[str, str]) -> Result:
+    """``run_llama_cpp`` in a fresh interpreter with ``env``: llama.cpp as its users run it.
+
+    In this process the engine has set its OpenMP wait policy, and llama.cpp's libgomp (its
+    ``ggml_barrier`` is an OpenMP barrier) would share it; a child with the operator's own
+    environment keeps the comparison to llama.cpp's defaults.
+    """
+    payload = json.dumps({"path": str(path), "threads": threads, "work": [[r.prompt, r.max_tokens] for r in work]})
+    done = subprocess.run([sys.executable, "-m", "bench.engine"], input=payload, capture_output=True, text=True,
+                          env=env, check=True)
+    d = json.loads(done.stdout.splitlines()[-1])
+    return Result("", "", d["wall"], d["output_tokens"], extra={"tokens": d["tokens"]}, cpu_s=d["cpu_s"])
+
+
+def _llama_cpp_child() -> None:
+    d = json.loads(sys.stdin.read())
+    res = run_llama_cpp(Path(d["path"]), [Request(prompt, n) for prompt, n in d["work"]], d["threads"])
+    print(json.dumps({"wall": res.wall, "output_tokens": res.output_tokens, "cpu_s": res.cpu_s,
+                      "tokens": res.extra["tokens"]}))
+
+
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     """Fraction of requests whose first 16 greedy tokens are identical (runtimes differ at near-ties)."""
     return sum(x[:16] == y[:16] for x, y in zip(a, b)) / max(1, len(a))
@@ -258,8 +281,9 @@ def command(
             res = run_hf(path, seq_work)
             res.detail = "transformers generate, one request at a time, float32"
         else:
-            res = run_llama_cpp(path, seq_work, threads)
-            res.detail = f"llama-cpp-python, one request at a time, {threads} threads, GGUF Q4_1"
+            own_env = {k: v for k, v in os.environ.items() if k not in engine_threads.STATE.set_by_engine}
+            res = run_llama_cpp_process(path, seq_work, threads, own_env)
+            res.detail = f"llama-cpp-python, one request at a time, {threads} threads, GGUF Q4_1, own process"
         return res
 
     for system in [s for r in range(rounds) for s in (chosen if r % 2 == 0 else chosen[::-1])]:
@@ -328,3 +352,7 @@ def command(
                "note": "one run, systems in sequence (interleaved over rounds) on a shared 2-core machine; "
                        "compare rows of this run only",
            })
+
+
+if __name__ == "__main__":  # the llama-cpp system's child process (run_llama_cpp_process)
+    _llama_cpp_child()

@@ -1,0 +1,59 @@
+"""``apiary bench engine``: busy processes beside each run, and a tiny end-to-end run with them.
+
+No timing thresholds: what is checked is that the busy processes really run during a system's run
+and are gone after it, and that the table and JSON carry the contention setting, each system's CPU
+use and the CPU's features.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from bench import engine as bench_engine
+from kernels import cpu
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_busy_processes_run_during_the_block_and_are_stopped_after() -> None:
+    with bench_engine.busy_processes(2) as procs:
+        assert len(procs) == 2 and all(p.poll() is None and _alive(p.pid) for p in procs)
+        before = [p.pid for p in procs]
+    assert all(p.poll() is not None for p in procs)
+    assert not any(_alive(pid) for pid in before)
+    with bench_engine.busy_processes(0) as none:
+        assert none == []
+
+
+@pytest.mark.timeout(300)
+def test_a_tiny_run_with_background_reports_contention_cpu_use_and_features(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.cloud.engine.tiny import make_checkpoint
+
+    model = make_checkpoint(tmp_path / "tiny", "llama")
+    monkeypatch.chdir(tmp_path)
+    app = typer.Typer()
+    app.command()(bench_engine.command)
+    result = CliRunner().invoke(app, ["--model", str(model), "--systems", "engine", "--requests", "3",
+                                      "--prompt-tokens", "8-16", "--output-tokens", "4-8", "--threads", "1",
+                                      "--background", "1", "--dtype", "float32"])
+    assert result.exit_code == 0, result.output
+    assert "1 busy processes beside it" in result.output
+    record = json.loads((tmp_path / "results" / "bench" / "engine.json").read_text())
+    assert record["background_processes"] == 1
+    assert record["columns"][4] == "CPU %" and record["rows"][0][0] == "engine"
+    assert record["cpu_percent_per_round"]["engine"][0] == record["rows"][0][4]
+    assert record["machine"]["cpu_features"] == cpu.relevant(cpu.host_flags())
+    assert record["engine_threads"].startswith("1 threads (affinity")  # --threads 1 reached the engine
+    assert "features:" in result.output
