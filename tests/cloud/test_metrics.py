@@ -218,3 +218,43 @@ def test_an_abandoned_stream_is_still_aborted_through_the_observed_engine(make_s
     assert cloud_engine.metrics()["requests_aborted"] == before + 1
     found = samples(service.metrics)
     assert value(found, "vllm:time_to_first_token_seconds_count", model_name=MODEL_NAME, engine="0") is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_running_service_counts_what_its_recorder_sees(make_service, mosquitto):
+    """Over a real broker: a device's birth with its battery, an edge answer and an OTA report reach the service's
+    /metrics (counted off the recorder's subscriptions, the battery from the store it wrote)."""
+    from shared.transport import MqttTransport
+
+    service = make_service(broker=mosquitto.config.url, worker_id="metrics-w", escalations=False)
+    device = MqttTransport(mosquitto.config, "h7", persistent=False)
+    device.start()
+    try:
+        device.publish(topics.state("farm", "h7"), make(DeviceState(site="farm", device="h7", status="birth",
+                                                                    online=True, session=1, battery_soc=0.41),
+                                                        sender="h7"))
+        device.publish(topics.answer("farm", "h7"), answer("edge", reason="low confidence: p10 -2 < -1.5 (not "
+                                                                          "escalated: link is down)", device="h7"))
+        device.publish(topics.ota_status("farm", "h7"),
+                       make(OtaStatus(site="farm", device="h7", image_version="v3", phase="installed"), sender="h7"))
+
+        def scrape() -> dict:
+            text = httpx.get(f"{service.url}/metrics", timeout=30).text
+            return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                    for f in text_string_to_metric_families(text) for s in f.samples}
+
+        end = time.monotonic() + 60
+        found = scrape()
+        while value(found, "apiary_devices_ota_phase", phase="installed") is None or \
+                value(found, "apiary_answers_total", tier="edge", status="ok") is None:
+            assert time.monotonic() < end, sorted(n for n, _ in found if n.startswith("apiary_"))
+            time.sleep(0.1)
+            found = scrape()
+    finally:
+        device.stop()
+    assert value(found, "apiary_answers_total", tier="edge", status="ok") == 1
+    assert value(found, "apiary_escalation_reasons_total", reason="low confidence", tier="edge") == 1
+    assert value(found, "apiary_ota_reports_total", phase="installed") == 1
+    assert value(found, "apiary_device_battery_soc", site="farm", device="h7") == pytest.approx(0.41)
+    assert value(found, "apiary_device_online", site="farm", device="h7", role="edge") == 1

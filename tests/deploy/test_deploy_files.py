@@ -66,6 +66,11 @@ def test_compose_has_the_fleet_and_references_only_files_that_exist():
 
 
 def test_compose_replicas_each_have_their_worker_id_port_and_grace_period():
+    import inspect
+
+    from cloud.cli import serve
+
+    drain_timeout = inspect.signature(serve).parameters["drain_timeout"].default.default
     clouds = cloud_services(compose())
     worker_ids, host_ports = [], []
     for name, service in clouds.items():
@@ -75,7 +80,7 @@ def test_compose_replicas_each_have_their_worker_id_port_and_grace_period():
         host_ports.append(service["ports"][0].split(":")[0])
         assert service["environment"]["APIARY__CLOUD__DB"].startswith("/var/lib/apiary/shared/")  # one database
         grace = service["stop_grace_period"]
-        assert grace.endswith("s") and float(grace[:-1]) > 30  # longer than the default --drain-timeout
+        assert grace.endswith("s") and float(grace[:-1]) > drain_timeout  # the drain ends before a SIGKILL
     assert worker_ids == list(clouds)  # the client id is the service's name: unique, stable across restarts
     assert len(set(host_ports)) == len(host_ports)
 
