@@ -10,8 +10,9 @@ Each service owns its own registry (several services can live in one test proces
   except the engine's windowed percentiles and means (no percentile gauges: use the histograms);
 * **each finished engine request** (:class:`ObservedEngine`, the engine as the REST API and the MQTT worker see
   it): the histograms ``vllm:time_to_first_token_seconds``, ``vllm:time_per_output_token_seconds``,
-  ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds`` (vLLM's buckets) and
-  ``vllm:request_success_total{finished_reason}``, from the engine's own timestamps;
+  ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``,
+  ``vllm:request_prefill|decode|inference_time_seconds``, ``vllm:request_prompt|generation_tokens`` (vLLM's
+  buckets) and ``vllm:request_success_total{finished_reason}``, from the engine's own timestamps;
 * **the fleet, as the recorder sees it** (:meth:`Metrics.watch_fleet`): answers by tier and status, escalation
   reasons by rule and by the tier that answered, OTA reports by phase (counted off the same subscriptions,
   de-duplicated by the transport and identity-checked like the recorder), and at scrape time from the store
@@ -49,6 +50,17 @@ _WINDOWED = re.compile(r"_(p\d+|mean)$")
 _SPEC = re.compile(r"^spec_(?P<method>[a-z0-9]+)_(?P<what>proposed|accepted|verifications)$")
 
 MAX_REASONS = 32  # distinct escalation-reason label values kept per process; the rest count as "other"
+
+
+def length_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's token-count buckets)."""
+    out, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return out
+            out.append(mantissa * scale)
+        scale *= 10
 
 
 def _flatten(prefix: str, value: Any) -> Iterator[tuple[str, float]]:
@@ -245,6 +257,13 @@ class Metrics:
                                     "for request.", VLLM_LABELS, buckets=REQUEST_BUCKETS, registry=r)
         self.vllm_success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                     VLLM_LABELS + ("finished_reason",), registry=r)
+        self.vllm_phases = {phase: Histogram(f"vllm:request_{phase}_time_seconds", doc, VLLM_LABELS,
+                                             buckets=REQUEST_BUCKETS, registry=r)
+                            for phase, doc in (("prefill", "Histogram of time spent in PREFILL phase for request."),
+                                               ("decode", "Histogram of time spent in DECODE phase for request."),
+                                               ("inference", "Histogram of time spent in RUNNING phase for "
+                                                             "request."))}
+        self.vllm_lengths: dict[str, Histogram] = {}  # prompt / generation tokens per request: see observed()
         # the fleet, from the messages the recorder sees
         self.answers = Counter("apiary_answers", "final answers published by the fleet, by the tier that answered "
                                "and their status (tier=edge: the edge answers)", ["tier", "status"], registry=r)
@@ -269,6 +288,15 @@ class Metrics:
             self.vllm_ttft.labels(*labels).observe(m.ttft)
         if m.queue_time is not None:
             self.vllm_queue.labels(*labels).observe(m.queue_time)
+        phases = {"prefill": (m.first_scheduled_time, m.first_token_time),
+                  "decode": (m.first_token_time, m.finish_time),
+                  "inference": (m.first_scheduled_time, m.finish_time)}
+        for phase, (start, end) in phases.items():
+            if start is not None and end is not None:
+                self.vllm_phases[phase].labels(*labels).observe(end - start)
+        if self.vllm_lengths:
+            self.vllm_lengths["prompt"].labels(*labels).observe(len(out.prompt_token_ids))
+            self.vllm_lengths["generation"].labels(*labels).observe(len(out.output_token_ids))
         if m.finish_time is not None:
             self.vllm_e2e.labels(*labels).observe(m.finish_time - m.arrival_time)
             n = len(out.output_token_ids)
@@ -277,7 +305,17 @@ class Metrics:
 
     def observed(self, engine: Any, model_name: str) -> ObservedEngine:
         """``engine`` as the API and the worker should use it: every finished request lands in the histograms."""
+        self.request_lengths(int(engine.max_model_len))
         return ObservedEngine(engine, self, model_name)
+
+    def request_lengths(self, max_model_len: int) -> None:
+        """Make the request-length histograms (once), their buckets 1, 2, 5, 10, ... up to ``max_model_len`` as
+        vLLM's are."""
+        if not self.vllm_lengths:
+            buckets = length_buckets(max_model_len)
+            for kind, what in (("prompt", "prefill"), ("generation", "generation")):
+                self.vllm_lengths[kind] = Histogram(f"vllm:request_{kind}_tokens", f"Number of {what} tokens "
+                                                    "processed.", VLLM_LABELS, buckets=buckets, registry=self.registry)
 
     # ---- the fleet ----------------------------------------------------------------------------
     def watch_fleet(self, transport: Any, devices: Callable[[], list[dict[str, Any]]]) -> None:

@@ -151,6 +151,9 @@ def test_device_gauges_come_from_the_store(tmp_path):
 
 
 def test_vllm_buckets_are_vllms():
+    from cloud.metrics import length_buckets
+
+    assert length_buckets(100) == [1, 2, 5, 10, 20, 50, 100] and length_buckets(2048)[-1] == 2000
     assert TTFT_BUCKETS[0] == 0.001 and TTFT_BUCKETS[-1] == 2560.0 and len(TTFT_BUCKETS) == 22
     assert TPOT_BUCKETS[0] == 0.01 and TPOT_BUCKETS[-1] == 80.0
 
@@ -180,6 +183,11 @@ def test_real_requests_fill_the_vllm_histograms(make_service, keys, cloud_engine
     assert value(found, "vllm:e2e_request_latency_seconds_count", **labels) == 2
     assert value(found, "vllm:time_per_output_token_seconds_count", **labels) == 2  # 4 tokens: a TPOT each
     assert value(found, "vllm:request_queue_time_seconds_count", **labels) == 2
+    for phase in ("prefill", "decode", "inference"):
+        assert value(found, f"vllm:request_{phase}_time_seconds_count", **labels) == 2, phase
+    assert value(found, "vllm:request_generation_tokens_sum", **labels) == 8  # 4 tokens each, EOS ignored
+    assert value(found, "vllm:request_prompt_tokens_count", **labels) == 2
+    assert value(found, "vllm:request_prompt_tokens_bucket", le="+Inf", **labels) == 2
     assert value(found, "vllm:request_success_total", finished_reason="length", **labels) == 2
     assert value(found, "vllm:time_to_first_token_seconds_bucket", le="+Inf", **labels) == 2
     assert value(found, "vllm:e2e_request_latency_seconds_sum", **labels) >= \

@@ -270,6 +270,7 @@ def exported_names() -> set[str]:
 
     m = Metrics()
     m.watch_engine(lambda: dict(ENGINE_VALUES), "m")
+    m.request_lengths(2048)
     m.registry.register(FleetCollector(lambda: [{"site": "s", "device": "d", "role": "edge", "online": True,
                                                  "battery_soc": 0.5, "last_ota": {"phase": "committed"}}]))
     names = set()
