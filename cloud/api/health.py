@@ -23,6 +23,7 @@ from typing import Any
 
 PROBES = frozenset({"/health", "/healthz", "/ready", "/metrics"})
 RETRY_AFTER_S = 5
+STARTING = "the service is starting (the model loads, then the broker connects): retry shortly"
 
 
 @dataclass
@@ -94,14 +95,13 @@ class Gate:
             elif path == "/ready":
                 await _json(send, 503, life.readiness()[1])
             else:
-                await _refuse(send, "the model is loading", "loading")
+                await _refuse(send, STARTING, "loading")
             return
         if self.app is None or life.draining:
             why = "draining" if life.draining else "loading"
             if self.metrics is not None:
                 self.metrics.refused.labels(reason=why).inc()
-            await _refuse(send, "this replica is shutting down: retry on another" if life.draining
-                          else "the model is loading: retry shortly", why)
+            await _refuse(send, "this replica is shutting down: retry on another" if life.draining else STARTING, why)
             return
         life.enter()
         try:
