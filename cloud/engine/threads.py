@@ -17,6 +17,14 @@ first), ``configure_environment`` sets, unless the operator already did:
 libgomp reads these once, when it loads: if torch was imported before ``cloud.engine``, its pool
 keeps whatever it started with, and ``report()`` says so. ``apply`` then sets the thread count
 at engine load (``EngineConfig.num_threads``, else the CPUs available).
+
+The price, measured (docs/benchmarks.md, issue 21): on an otherwise idle 2-core VM the passive
+policy runs the engine at ~0.6x of libgomp's default (a sleeping thread's wake-up costs
+more than the work between two ops), while with two busy processes beside it the default fell
+to ~10 tok/s and passive kept ~55. Short spins (``GOMP_SPINCOUNT`` 2,000-100,000) measured in
+between and under 40% of idle when shared. Where the CPU is known to be the engine's alone, an
+operator can take libgomp's spinning back: ``GOMP_SPINCOUNT=300000`` (its default, ~3 ms) in the
+environment overrides the policy's spin count, and any variable already set is left as it is.
 """
 from __future__ import annotations
 
