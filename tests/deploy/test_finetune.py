@@ -79,8 +79,8 @@ def test_lora_trains_resumes_and_merges_into_what_the_engine_serves(tiny: Path, 
             m.lora_B.copy_(trained[f"{name}.lora_B"].float())
     assert any(float(t.abs().sum()) > 0 for k, t in lora_tensors(wrapped).items() if k.endswith("lora_B"))
     engine = LLMEngine(EngineConfig(model_path=tiny, adapter_path=out / "adapter", kv_cache_bytes=2 << 20,
-                                    block_size=4))
-    plain = LLMEngine(EngineConfig(model_path=tiny, kv_cache_bytes=2 << 20, block_size=4))
+                                    block_size=4, dtype="float32"))  # float32: the training model is the oracle
+    plain = LLMEngine(EngineConfig(model_path=tiny, kv_cache_bytes=2 << 20, block_size=4, dtype="float32"))
     ids = engine.tokenizer.encode("the hive hums at 270 Hz")
     from tests.cloud.engine.conftest import prompt_logits
 
