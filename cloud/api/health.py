@@ -101,6 +101,7 @@ class Gate:
             why = "draining" if life.draining else "loading"
             if self.metrics is not None:
                 self.metrics.refused.labels(reason=why).inc()
+            await _discard_body(receive)  # closing with unread bytes would reset the connection (RST, not FIN)
             await _refuse(send, "this replica is shutting down: retry on another" if life.draining else STARTING, why)
             return
         life.enter()
@@ -108,6 +109,15 @@ class Gate:
             await self.app(scope, receive, send)
         finally:
             life.leave()
+
+
+async def _discard_body(receive: Any) -> None:
+    """Read the request body to its end: the refusal closes the connection, and a socket closed with
+    unread bytes makes the kernel send a reset, which a client may see before the 503 itself."""
+    while True:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
 
 
 async def _json(send: Any, status: int, body: dict[str, Any], headers: list[tuple[bytes, bytes]] = ()) -> None:
