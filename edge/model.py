@@ -38,6 +38,28 @@ from shared.prompting import ACTION_JSON_SCHEMA, PROMPT_STYLE_KEY, PROMPT_STYLES
 if TYPE_CHECKING:
     from edge.settings import EdgeSettings
 
+def _never_swap_stdio() -> None:
+    """Load models without llama-cpp-python's ``suppress_stdout_stderr``.
+
+    With ``verbose=False`` it wraps every load in a context that points the process's fds 1 and 2 and
+    ``sys.stdout``/``sys.stderr`` at /dev/null and back: process-wide, from whatever thread loads. The agent
+    loads a new model on its OTA thread while other threads log and print, so their output vanished for the
+    length of a load, and two overlapping loads could leave fd 1 on /dev/null for good. llama.cpp's own log
+    lines go through its log callback, which ``verbose=False`` already limits to errors, so nothing is lost
+    by not swapping.
+    """
+    import contextlib
+
+    import llama_cpp._internals
+    import llama_cpp.llama
+
+    def keep_stdio(disable: bool = True) -> contextlib.nullcontext:
+        return contextlib.nullcontext()
+
+    llama_cpp.llama.suppress_stdout_stderr = keep_stdio
+    llama_cpp._internals.suppress_stdout_stderr = keep_stdio
+
+
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 
 
@@ -114,6 +136,7 @@ class LocalModel:
         from llama_cpp import Llama
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
+        _never_swap_stdio()
         self.path = Path(path)
         if not self.path.is_file():
             raise EdgeError(f"model file not found: {self.path}")

@@ -128,9 +128,9 @@ def test_apiary_image_rollout_takes_the_canary_then_the_rest_to_the_new_image(
                                           operator_key, "--site", SITE, "--canary", "0.3", "--sha256", info.sha256,
                                           "--poll", "0.2"])
         assert result.exit_code == 0, result.output
-        lines = result.output.splitlines()
+        lines = result.stdout.splitlines()  # the progress the CLI prints (log lines go to stderr)
         assert lines[0].endswith(f"{NEW} ({info.path.name}) to 3 devices in 2 waves, 1 in the canary wave"), lines[0]
-        assert lines[-1].startswith(f"completed: 3 of 3 devices committed {NEW}"), lines[-1]
+        assert lines[-1].startswith(f"completed: 3 of 3 devices committed {NEW}"), result.output
         # the canary committed before the others' commands went out
         committed = next(i for i, line in enumerate(lines) if line.startswith("  meadow/hive-1  wave 1  committed"))
         assert lines.index("wave 2 of 2") > committed, result.output

@@ -62,3 +62,18 @@ def test_grammar_restricts_strings() -> None:
     g = action_grammar()
     assert r'char ::= [^"\\\x7F\x00-\x1F]' in g
     assert '"\\"heat_stress\\""' in g
+
+
+def test_loading_a_model_leaves_every_threads_stdout_alone(local_model) -> None:
+    """llama-cpp-python's verbose=False load pointed sys.stdout/stderr (and fds 1 and 2) at /dev/null, process-wide:
+    while the agent's OTA thread loaded a new model, what other threads printed vanished (an operator's CLI lost
+    its last line). LocalModel loads without that swap."""
+    import sys
+
+    import llama_cpp._internals
+    import llama_cpp.llama
+
+    before = (sys.stdout, sys.stderr)
+    for module in (llama_cpp.llama, llama_cpp._internals):
+        with module.suppress_stdout_stderr(disable=False):
+            assert (sys.stdout, sys.stderr) == before
