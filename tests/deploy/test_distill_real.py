@@ -67,7 +67,8 @@ def test_int4_export_runs_in_llama_cpp_like_the_torch_student(run: DistillReport
 
     # The torch student's own greedy continuation of a held-out prompt, then llama.cpp teacher-forced along it.
     student, _ = load_model(run.model_dir)
-    engine = LLMEngine(EngineConfig(model_path=run.model_dir, kv_cache_bytes=16 << 20, max_num_seqs=2))
+    engine = LLMEngine(EngineConfig(model_path=run.model_dir, kv_cache_bytes=16 << 20, max_num_seqs=2,
+                                    dtype="float32"))  # the float32 torch student is the oracle
     prompt = engine.tokenizer.encode(load_corpus(run.out / "eval.jsonl")[0].prompt)
     ids = list(prompt)
     with torch.no_grad():
