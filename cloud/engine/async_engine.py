@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import queue
 import threading
 import uuid
@@ -23,6 +24,8 @@ from cloud.engine.llm_engine import LLMEngine
 from cloud.engine.outputs import RequestOutput
 from cloud.engine.sampling_params import SamplingParams
 from cloud.engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -208,3 +211,6 @@ class AsyncEngine:
 
             self._call(stop)
         self._thread.join(timeout)
+        if self._thread.is_alive():  # a step still running: exiting now would kill torch mid-call ("terminate called")
+            log.warning("engine loop still inside a step %ss after shutdown was asked; it stops after that step",
+                        timeout)
