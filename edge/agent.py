@@ -190,6 +190,9 @@ class EdgeAgent:
                 if "refused client" in str(e):
                     raise EdgeError(str(e)) from None
                 log.warning("broker not reachable yet (%s); working offline and retrying", e)
+        if self.transport.connected and not self.transport.wait_subscribed(connect_timeout):
+            log.warning("the broker has not confirmed this device's subscriptions after %g s; events published "
+                        "before it does may pass it by", connect_timeout)
         log.info("edge agent %s/%s up (session %d, model %s)", self.site, self.device, self.session,
                  self.model_version)
         return self

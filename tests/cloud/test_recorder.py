@@ -35,6 +35,7 @@ class FleetRecorder:
         self.transport = MqttTransport(config, client_id, persistent=False)
         Recorder(store, self.metrics).attach(self.transport)
         self.transport.start(10)
+        assert self.transport.wait_subscribed(10)  # else what a test sends first can pass before the SUBACK
 
     def count(self, kind: str) -> float:
         return self.metrics.registry.get_sample_value("apiary_recorded_messages_total", {"kind": kind}) or 0.0

@@ -47,6 +47,7 @@ class FakeCloud:
 
     def start(self) -> "FakeCloud":
         self.transport.start()
+        assert self.transport.wait_subscribed(10)  # escalations sent before the SUBACK would pass it by
         return self
 
     def _on_request(self, topic: str, env: Envelope) -> None:
@@ -92,6 +93,7 @@ class Observer:
         self.transport.subscribe(topics.state(SITE, DEVICE), self.states)
         self.transport.subscribe(topics.escalate(SITE, DEVICE), self.escalations)
         self.transport.start()
+        assert self.transport.wait_subscribed(10)
 
     def answers_by_seq(self) -> collections.Counter[int]:
         return collections.Counter(e.body.event_seq for e in self.answers.envs)
