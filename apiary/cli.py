@@ -11,7 +11,8 @@ import importlib
 
 import typer
 
-ROOMS = ("shared", "firmware_bridge", "edge", "cloud", "deploy", "bench", "apiary.demo")
+ROOMS = ("apiary.shared", "apiary.firmware_bridge", "apiary.edge", "apiary.cloud", "apiary.deploy", "apiary.bench",
+         "apiary.demo")
 
 app = typer.Typer(
     help="Apiary Mesh: edge-to-cloud LLM inference for field sensor networks.",
@@ -21,7 +22,7 @@ app = typer.Typer(
 )
 
 for room in ROOMS:
-    module_name = room if room.startswith("apiary.") else f"{room}.cli"
+    module_name = room if room == "apiary.demo" else f"{room}.cli"
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:

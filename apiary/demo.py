@@ -33,7 +33,7 @@ def demo(
     from apiary.chart import save_chart
     from apiary.mesh import Mesh, MeshError, MeshOptions
     from apiary.view import DemoView, drain_title, show_connect
-    from shared.logs import configure
+    from apiary.shared.logs import configure
 
     launched = time.time()
     configure(level="WARNING", fmt="text")

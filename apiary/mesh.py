@@ -20,9 +20,9 @@ import httpx
 
 from apiary.observer import MeshObserver
 from apiary.supervisor import Supervisor
-from shared import assets
-from shared.brokers import EmbeddedBroker, MosquittoBroker, free_port
-from shared.config import MqttConfig
+from apiary.shared import assets
+from apiary.shared.brokers import EmbeddedBroker, MosquittoBroker, free_port
+from apiary.shared.config import MqttConfig
 
 HOUR = 3600.0
 
@@ -97,7 +97,7 @@ class Mesh:
             self.mqtt = self.broker.start()
         say(f"broker {self.mqtt.url}")
 
-        from firmware_bridge.simulator import Fleet
+        from apiary.firmware_bridge.simulator import Fleet
 
         self._fleet = Fleet(o.sites, o.devices, seed=o.seed, interval_s=o.interval_s)
         self._schedule_anomalies()
@@ -121,8 +121,8 @@ class Mesh:
         # before the cloud subscribed is re-sent by its edge (edge.resend) until answered.
         if not o.traffic_before_cloud:
             self._wait_for_cloud_step(cloud.log_path, say)
-        from firmware_bridge.bridge import connect
-        from firmware_bridge.settings import BridgeSettings
+        from apiary.firmware_bridge.bridge import connect
+        from apiary.firmware_bridge.settings import BridgeSettings
 
         self._bridge = connect(BridgeSettings(name="demo-bridge", sites=self._fleet.sites()), self.mqtt,
                                truth_lookup=self._fleet.truth)
@@ -139,7 +139,7 @@ class Mesh:
         say(f"cloud {self.cloud_url}")
 
     def devices(self) -> list[tuple[str, str]]:
-        from firmware_bridge.settings import BridgeSettings
+        from apiary.firmware_bridge.settings import BridgeSettings
 
         names = BridgeSettings()
         return [(site, names.node_of(dev)) for dev, site in sorted(self._fleet.sites().items())]
@@ -212,7 +212,7 @@ class Mesh:
         """Spread the injected anomalies over the first part of the run, one device after another."""
         o = self.options
         hives = sorted(self._fleet.sites())
-        from firmware_bridge.simulator import ANOMALIES
+        from apiary.firmware_bridge.simulator import ANOMALIES
 
         kinds = list(ANOMALIES)
         frames_per_device_per_s = o.rate / max(1, len(hives))
@@ -230,7 +230,7 @@ class Mesh:
                                self._fleet.t + wall_at * sim_per_wall_s)
 
     def _simulate(self) -> None:
-        from firmware_bridge.simulator import emit
+        from apiary.firmware_bridge.simulator import emit
 
         def count(_: Any) -> None:
             self.frames_sent += 1

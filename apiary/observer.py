@@ -15,12 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from edge.policy import rule_of
-from edge.triage import needs_answer
-from shared import topics
-from shared.config import MqttConfig
-from shared.protocol import DeviceState, Envelope, InferenceRequest, InferenceResult, SensorEvent
-from shared.transport import MqttTransport
+from apiary.edge.policy import rule_of
+from apiary.edge.triage import needs_answer
+from apiary.shared import topics
+from apiary.shared.config import MqttConfig
+from apiary.shared.protocol import DeviceState, Envelope, InferenceRequest, InferenceResult, SensorEvent
+from apiary.shared.transport import MqttTransport
 
 EventKey = tuple[str, str, int]  # site, device, seq
 
@@ -235,7 +235,7 @@ class MeshObserver:
 
 
 def needing_answer(records: list[Any]) -> list[Any]:
-    """The records the edge answers, by the edge's own triage (``edge.triage.needs_answer``), each event
+    """The records the edge answers, by the edge's own triage (``apiary.edge.triage.needs_answer``), each event
     judged with its device's earlier events as context, in arrival order, as the agent sees them."""
     history: dict[tuple[str, str], list[SensorEvent]] = {}
     out = []

@@ -23,7 +23,7 @@ from typing import Any
 
 
 def _frames(count: int, devices: int, seed: int) -> list[bytes]:
-    from firmware_bridge.simulator import Fleet
+    from apiary.firmware_bridge.simulator import Fleet
 
     sites = max(1, devices // 8)
     fleet = Fleet(sites, max(1, devices // sites), seed=seed, interval_s=60.0)
@@ -77,7 +77,7 @@ def _subscriber(port: int, expected: int, ready: Any, results: Any, idle_s: floa
     """Child process: receive raw payloads with arrival times; decode only after the run."""
     import paho.mqtt.client as paho
 
-    from shared import protocol, topics
+    from apiary.shared import protocol, topics
 
     got: list[tuple[float, bytes]] = []
     done = [False]
@@ -116,8 +116,8 @@ def _subscriber(port: int, expected: int, ready: Any, results: Any, idle_s: floa
 
 
 def _decode_rows(frames: list[bytes]) -> list[list[Any]]:
-    from firmware_bridge.events import frame_to_event
-    from firmware_bridge.stream import StreamReader
+    from apiary.firmware_bridge.events import frame_to_event
+    from apiary.firmware_bridge.stream import StreamReader
 
     stream = b"".join(frames)
     chunks = [stream[i:i + 4096] for i in range(0, len(stream), 4096)]
@@ -158,9 +158,9 @@ def _e2e(source: str, rate: float, duration: float, devices: int, broker: Any, s
 
     import numpy as np
 
-    from firmware_bridge.bridge import connect
-    from firmware_bridge.settings import BridgeSettings
-    from firmware_bridge.sources import open_serial, open_udp, run_serial, run_udp
+    from apiary.firmware_bridge.bridge import connect
+    from apiary.firmware_bridge.settings import BridgeSettings
+    from apiary.firmware_bridge.sources import open_serial, open_udp, run_serial, run_udp
 
     count = int(rate * duration)
     ctx = mp.get_context("spawn")
@@ -221,7 +221,7 @@ def _e2e(source: str, rate: float, duration: float, devices: int, broker: Any, s
             reordered += 1
         last_seq[device] = seq
     # map sender index -> (device, seq): regenerate the same frames' identities
-    from firmware_bridge.frames import decode_frame
+    from apiary.firmware_bridge.frames import decode_frame
 
     idents = [(f"hive-{fr.device_id:04d}", fr.seq) for fr in map(decode_frame, _frames(count, devices, seed))]
     lat = np.array([(arrivals[k] - sent[i]) * 1e3 for i, k in enumerate(idents) if k in arrivals])
@@ -247,8 +247,8 @@ def command(rates: str = "2000,5000,8000", duration: float = 5.0, source: str = 
             decode_frames: int = 50_000, seed: int = 0, protocol: str = "auto") -> None:
     """Decode throughput, then end-to-end runs at each offered rate (frames/s, comma-separated).
     ``protocol`` is the bridge's MQTT version: auto (5 on Mosquitto), 5 or 3.1.1."""
-    from bench.common import report
-    from shared.brokers import MosquittoBroker
+    from apiary.bench.common import report
+    from apiary.shared.brokers import MosquittoBroker
 
     if source not in ("udp", "pty"):
         raise SystemExit("--source must be udp or pty")

@@ -10,7 +10,7 @@ import pkgutil
 
 import typer
 
-import bench
+from apiary import bench
 
 
 def register(app: typer.Typer) -> None:
@@ -19,7 +19,7 @@ def register(app: typer.Typer) -> None:
     for info in sorted(pkgutil.iter_modules(bench.__path__), key=lambda i: i.name):
         if info.name in {"cli", "common"}:
             continue
-        module = importlib.import_module(f"bench.{info.name}")
+        module = importlib.import_module(f"apiary.bench.{info.name}")
         if hasattr(module, "command"):
             bench_app.command(info.name, help=(module.__doc__ or "").strip().splitlines()[0])(module.command)
             found += 1

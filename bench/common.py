@@ -2,7 +2,7 @@
 
 Every table says which CPU it ran on (model, speed-relevant features, CPUs, load average): these
 machines change from AVX-512 + bf16 one day to AVX2 only the next, and a number means little
-without them (``kernels.cpu``).
+without them (``apiary.kernels.cpu``).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def percentile(values: Iterable[float], q: float) -> float:
 def machine_info() -> dict[str, Any]:
     import os
 
-    from kernels import cpu
+    from apiary.kernels import cpu
 
     flags = cpu.host_flags()
     return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),

@@ -40,7 +40,7 @@ def _speed(llm: Any, prompt: list[int], gen_tokens: int) -> tuple[float, float]:
 def _engine_speculates() -> bool:
     import dataclasses
 
-    from cloud.engine import EngineConfig
+    from apiary.cloud.engine import EngineConfig
 
     return any(f.name == "speculative" for f in dataclasses.fields(EngineConfig))
 
@@ -48,8 +48,8 @@ def _engine_speculates() -> bool:
 def acceptance(teacher: Path, prompts: list[str], draft: Path | None, num_layers: int | None, k: int,
                max_tokens: int) -> dict[str, Any]:
     """Greedy speculative decoding of ``prompts`` in the cloud engine; the draft's acceptance counters."""
-    from cloud.engine import EngineConfig, LLMEngine, SamplingParams
-    from cloud.engine.spec.config import SpeculativeConfig
+    from apiary.cloud.engine import EngineConfig, LLMEngine, SamplingParams
+    from apiary.cloud.engine.spec.config import SpeculativeConfig
 
     spec = SpeculativeConfig(method="draft", k=k, draft_model_path=draft, draft_num_layers=num_layers, adaptive=False)
     engine = LLMEngine(EngineConfig(model_path=teacher, kv_cache_bytes=256 << 20, max_num_seqs=len(prompts),
@@ -79,10 +79,10 @@ def command(
     """Distilled edge student vs its 135M teacher in llama.cpp at Q4: tokens/s side by side, and top-1 agreement."""
     from llama_cpp import Llama
 
-    from bench.common import report
-    from deploy.agreement import agreement, llama_top1
-    from deploy.corpus import load_corpus
-    from shared import assets
+    from apiary.bench.common import report
+    from apiary.deploy.agreement import agreement, llama_top1
+    from apiary.deploy.corpus import load_corpus
+    from apiary.shared import assets
 
     teacher = teacher or assets.ensure("smollm2-135m-q4")
     if not student.is_file():

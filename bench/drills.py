@@ -55,8 +55,8 @@ class Watch:
     """An operator's view of the broker (persistent session): answers, escalations, events and states."""
 
     def __init__(self, config: Any, name: str) -> None:
-        from shared import topics
-        from shared.transport import MqttTransport
+        from apiary.shared import topics
+        from apiary.shared.transport import MqttTransport
 
         self.lock = threading.Lock()
         self.answers: collections.Counter[tuple[str, int]] = collections.Counter()
@@ -97,13 +97,13 @@ class Feeder:
     """Publishes critical events for the drill's device, each retried until the broker acknowledged it."""
 
     def __init__(self, config: Any) -> None:
-        from shared.transport import MqttTransport
+        from apiary.shared.transport import MqttTransport
 
         self.transport = MqttTransport(config, "drill-feeder", persistent=True).start(30)
 
     def send(self, seqs: list[int]) -> None:
-        from shared import topics
-        from shared.protocol import SensorEvent, Severity, make
+        from apiary.shared import topics
+        from apiary.shared.protocol import SensorEvent, Severity, make
 
         for seq in seqs:
             body = SensorEvent(site=SITE, device=DEVICE, seq=seq, timestamp=time.time(), severity=Severity.CRITICAL,
@@ -132,7 +132,7 @@ class Stage:
     notes: list[str] = field(default_factory=list)
 
     def start_broker(self) -> Any:
-        from shared.brokers import MosquittoBroker
+        from apiary.shared.brokers import MosquittoBroker
 
         self.broker = MosquittoBroker(data_dir=self.folder / "mosquitto")
         self.broker.start()
@@ -320,8 +320,8 @@ def command(
     drain: float = typer.Option(600.0, help="seconds to wait for every answer after a drill"),
     results: Path = typer.Option(Path("results/bench/drills"), help="run folder (logs, databases)"),
 ) -> None:
-    from bench.common import report
-    from shared.logs import configure
+    from apiary.bench.common import report
+    from apiary.shared.logs import configure
 
     configure(level="WARNING", fmt="text")
     chosen = [d.strip() for d in drills.split(",") if d.strip()]

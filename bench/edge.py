@@ -4,10 +4,10 @@ The evaluation set is ``bench/data/edge_eval_{calibration,test,shift}.jsonl`` (s
 situations with ground truth, as the bridge publishes them, made by ``python -m
 bench.make_edge_eval``; ``shift`` is a hotter climate with noisier sensors than anything is
 tuned on). Every situation goes through the edge exactly as the agent handles it (triage
-with ``edge.triage.needs_answer(event, context)``, then the llama.cpp INT4 model with the JSON
+with ``apiary.edge.triage.needs_answer(event, context)``, then the llama.cpp INT4 model with the JSON
 grammar, confidence from logprob quantiles); every situation that needs an answer also goes
 to the cloud tier exactly as the cloud worker answers an escalation
-(``cloud.actions.generate_action`` on the cloud engine: the registry GGUF dequantized, fp32 by
+(``apiary.cloud.actions.generate_action`` on the cloud engine: the registry GGUF dequantized, fp32 by
 default, plus the LoRA adapter of ``--cloud-adapter``, by default the shipped teacher adapter,
 as ``apiary cloud serve`` does; one request decoded under the
 same JSON Schema, its confidence scored by the edge's rule). Both answers are kept, so the
@@ -19,9 +19,9 @@ cascade can be replayed for any threshold without re-running a model:
 * "cascade" escalates on confidence and invalid answers only; "cascade + policy" also
   applies the default policy's rule that critical-severity events always go to the cloud.
 
-Prompt styles (``shared.prompting.build_messages``): the edge asks in ``--edge-prompt-style``
+Prompt styles (``apiary.shared.prompting.build_messages``): the edge asks in ``--edge-prompt-style``
 (``auto``: ``LocalModel``'s own resolution, the GGUF's ``apiary.prompt_style`` metadata
-(``shared.prompting.PROMPT_STYLE_KEY``), else ``examples``; the agent's Responder builds the
+(``apiary.shared.prompting.PROMPT_STYLE_KEY``), else ``examples``; the agent's Responder builds the
 prompt in ``LocalModel.prompt_style``), the cloud in its
 engine's style (``AsyncEngine.prompt_style``: the adapter's, else ``examples``), as the worker
 does. With the defaults the edge is the shipped edge image's INT4 student and the cloud the
@@ -87,14 +87,14 @@ def _rss_mib() -> float:
 
 
 def _load_cases(limit: int) -> list[Case]:
-    from bench.make_edge_eval import SPLITS, load, path_of
-    from edge.triage import needs_answer
-    from shared.protocol import SensorEvent
+    from apiary.bench.make_edge_eval import SPLITS, load, path_of
+    from apiary.edge.triage import needs_answer
+    from apiary.shared.protocol import SensorEvent
 
     cases = []
     for split in SPLITS:
         if not path_of(split).is_file():
-            raise typer.BadParameter(f"{path_of(split)} is missing: run python -m bench.make_edge_eval")
+            raise typer.BadParameter(f"{path_of(split)} is missing: run python -m apiary.bench.make_edge_eval")
         rows = load(split)
         if limit:
             rows = rows[:limit]
@@ -109,8 +109,8 @@ def _load_cases(limit: int) -> list[Case]:
 def _run_edge(cases: list[Case], settings: Any, model: Any) -> None:
     """Each case through the agent's Responder, always answering locally (the cascade is replayed later);
     the Responder asks in the model's prompt style."""
-    from edge.policy import EscalationPolicy, Situation
-    from edge.responder import Responder
+    from apiary.edge.policy import EscalationPolicy, Situation
+    from apiary.edge.responder import Responder
 
     responder = Responder(settings, model)
     default = EscalationPolicy()
@@ -138,11 +138,11 @@ def _run_cloud(cases: list[Case], model_path: str, dtype: str, max_tokens: int,
     try:
         import asyncio
 
-        from cloud.actions import generate_action
-        from cloud.engine import AsyncEngine, EngineConfig, LLMEngine
+        from apiary.cloud.actions import generate_action
+        from apiary.cloud.engine import AsyncEngine, EngineConfig, LLMEngine
     except ImportError as e:
         return f"cloud engine not importable ({e}); cloud-only and cascade rows skipped", None
-    from shared.prompting import build_messages
+    from apiary.shared.prompting import build_messages
 
     llm = LLMEngine(EngineConfig(model_path=model_path, dtype=dtype, adapter_path=adapter))
     engine = AsyncEngine(llm)
@@ -183,7 +183,7 @@ def _escalates(c: Case, threshold: float, with_policy: bool) -> bool:
 
 
 def _final(c: Case, draft: bool) -> str | None:
-    """The escalated event's final assessment, as the agent decides it (``edge.agent.final_from_reply``):
+    """The escalated event's final assessment, as the agent decides it (``apiary.edge.agent.final_from_reply``):
     the cloud's answer when it is valid, else the local draft when there is one."""
     if c.cloud_pred == "invalid" and draft and c.edge_valid:
         return c.edge_pred
@@ -272,7 +272,7 @@ def _mean(values: Sequence[float]) -> float:
 
 def _split_report(cases: list[Case], threshold: float | None) -> dict[str, Any]:
     """Everything measured on one scored split (``threshold=None``: no cloud pass)."""
-    from shared.protocol import ASSESSMENTS
+    from apiary.shared.protocol import ASSESSMENTS
 
     answered = [c for c in cases if c.needs_answer]
     ran = [c for c in answered if c.edge]
@@ -320,7 +320,7 @@ def _split_report(cases: list[Case], threshold: float | None) -> dict[str, Any]:
 
 def _thread_comparison(model: Any, cases: list[Case], n: int, style: str) -> list[list[Any]]:
     """Same prompts at 1 and 2 llama.cpp threads, interleaved, for a side-by-side tok/s ratio."""
-    from shared.prompting import build_messages
+    from apiary.shared.prompting import build_messages
 
     prompts = [build_messages(c.event, c.context, style=style) for c in cases if c.needs_answer][:n]
     stats = {1: [0, 0.0, 0.0], 2: [0, 0.0, 0.0]}  # tokens, wall, cpu
@@ -380,7 +380,7 @@ def _grammar_comparison(model: Any, cases: list[Case], n: int, style: str) -> li
     chain (no logprobs), and llama-cpp-python's high-level chat completion with logprobs."""
     from llama_cpp import Llama, LlamaGrammar
 
-    from shared.prompting import build_messages
+    from apiary.shared.prompting import build_messages
 
     prompts = [build_messages(c.event, c.context, style=style) for c in cases if c.needs_answer][:n]
     high = Llama(str(model.path), n_ctx=model.n_ctx, n_threads=model.threads, n_threads_batch=model.threads,
@@ -416,7 +416,7 @@ def _plots(json_path: Path, splits: dict[str, dict[str, Any]], calibration_curve
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from shared.protocol import ASSESSMENTS
+    from apiary.shared.protocol import ASSESSMENTS
 
     out: dict[str, str] = {}
     stem = json_path.stem
@@ -490,11 +490,11 @@ def command(
     grammar_prompts: int = typer.Option(3, help="prompts for the grammar-strategy comparison (0: skip)"),
 ) -> None:
     """Evaluate edge-only, cloud-only and the cascade; measure the edge's speed, latency, memory and energy."""
-    from bench.common import RESULTS_DIR, percentile, report
-    from edge.errors import EdgeError
-    from edge.model import LocalModel
-    from edge.settings import EdgeSettings, PolicySettings, PowerProfile
-    from shared import assets
+    from apiary.bench.common import RESULTS_DIR, percentile, report
+    from apiary.edge.errors import EdgeError
+    from apiary.edge.model import LocalModel
+    from apiary.edge.settings import EdgeSettings, PolicySettings, PowerProfile
+    from apiary.shared import assets
 
     if edge_prompt_style not in STYLE_CHOICES:
         raise typer.BadParameter(f"--edge-prompt-style must be one of {', '.join(STYLE_CHOICES)}")

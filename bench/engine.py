@@ -96,7 +96,7 @@ def make_workload(tokenizer: Any, n: int, prompt_range: tuple[int, int], output_
 
 
 def run_engine(engine: Any, work: list[Request], max_num_seqs: int) -> Result:
-    from cloud.engine import SamplingParams
+    from apiary.cloud.engine import SamplingParams
 
     engine.config.max_num_seqs = max_num_seqs
     engine.reset_prefix_cache()
@@ -189,7 +189,7 @@ def run_llama_cpp_process(path: Path, work: list[Request], threads: int, env: di
     environment keeps the comparison to llama.cpp's defaults.
     """
     payload = json.dumps({"path": str(path), "threads": threads, "work": [[r.prompt, r.max_tokens] for r in work]})
-    done = subprocess.run([sys.executable, "-m", "bench.engine"], input=payload, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "apiary.bench.engine"], input=payload, capture_output=True, text=True,
                           env=env, check=True)
     d = json.loads(done.stdout.splitlines()[-1])
     return Result("", "", d["wall"], d["output_tokens"], extra={"tokens": d["tokens"]}, cpu_s=d["cpu_s"])
@@ -228,12 +228,12 @@ def command(
     background: int = typer.Option(0, min=0, help="busy processes (shell loops) running beside every system's run"),
 ) -> None:
     # cloud.engine first: it sets the OpenMP wait policy and thread counts before torch loads.
-    from cloud.engine import EngineConfig, LLMEngine, threads as engine_threads
+    from apiary.cloud.engine import EngineConfig, LLMEngine, threads as engine_threads
 
     import torch
 
-    from bench.common import percentile, report
-    from shared import assets
+    from apiary.bench.common import percentile, report
+    from apiary.shared import assets
 
     chosen = [s.strip() for s in systems.split(",") if s.strip()]
     unknown = set(chosen) - set(SYSTEMS)

@@ -10,7 +10,7 @@ or ``--peak-gbs``) and of a plain device-to-device copy of the same bytes measur
 run, and the largest difference between the two outputs. Times are back-to-back calls between
 two CUDA events, with every working set far larger than L2, so nothing is served from cache.
 
-Then, unless ``--no-engine``, end-to-end decode throughput of ``cloud.engine`` with the Triton
+Then, unless ``--no-engine``, end-to-end decode throughput of ``apiary.cloud.engine`` with the Triton
 path vs the torch path (skipped with a note if the engine is not importable or the model is absent).
 
 ``--device cpu --interpret`` is a correctness smoke only: it runs tiny shapes through the Triton
@@ -153,8 +153,8 @@ def measure(batch: int, contexts: list[int], num_heads: int, num_kv_heads: int, 
 
     import torch
 
-    from bench.common import report
-    from kernels import kv_cache, paged_attention, reference, rms_norm, rotary
+    from apiary.bench.common import report
+    from apiary.kernels import kv_cache, paged_attention, reference, rms_norm, rotary
 
     on_gpu = device == "cuda"
     name = torch.cuda.get_device_name() if on_gpu else "cpu (Triton interpreter, not a measurement)"
@@ -293,17 +293,17 @@ def measure(batch: int, contexts: list[int], num_heads: int, num_kv_heads: int, 
 def _engine_run(model: str, batch: int, prompt_len: int, max_tokens: int) -> dict[str, Any]:
     """End-to-end generate() throughput with the Triton path vs the torch path, same engine, same requests."""
     try:
-        from cloud.engine import EngineConfig, LLMEngine, SamplingParams
+        from apiary.cloud.engine import EngineConfig, LLMEngine, SamplingParams
     except ImportError as e:
-        return {"skipped": f"cloud.engine not importable: {e}"}
+        return {"skipped": f"apiary.cloud.engine not importable: {e}"}
     import random
 
     import torch
 
-    from kernels import ops
+    from apiary.kernels import ops
 
     if not model:  # only an already-cached copy: GPU hosts are often offline, and pip retries would stall
-        from shared import assets
+        from apiary.shared import assets
 
         cached = assets.cache_dir() / assets.get_asset("smollm2-135m-q4").filename
         if not cached.exists():
@@ -346,8 +346,8 @@ def _smoke(iters: int) -> None:
     """CPU + Triton interpreter: every kernel on tiny shapes against the reference. Errors only, no speed."""
     import torch
 
-    from bench.common import RESULTS_DIR, report
-    from kernels import kv_cache, paged_attention, reference, rms_norm, rotary, triton_support
+    from apiary.bench.common import RESULTS_DIR, report
+    from apiary.kernels import kv_cache, paged_attention, reference, rms_norm, rotary, triton_support
 
     if not triton_support.INTERPRETED:
         print("the Triton kernels were already imported in compiled mode; run this in a fresh process", file=sys.stderr)

@@ -1,6 +1,6 @@
 """Writes the edge evaluation set: labelled sensor situations from the simulator, in three splits.
 
-Run ``python -m bench.make_edge_eval`` to regenerate ``bench/data/edge_eval_{calibration,test,shift}.jsonl``.
+Run ``python -m apiary.bench.make_edge_eval`` to regenerate ``bench/data/edge_eval_{calibration,test,shift}.jsonl``.
 Each line is one situation: the event to judge (with the simulator's ground truth in
 ``event.truth`` and ``label``), and the device's preceding events as context, exactly as the
 bridge publishes them (severity, ``_high``/``_low``/``_implausible``/``_missing`` flags and the
@@ -46,7 +46,7 @@ def path_of(split: str) -> Path:
 
 
 def build(n: int, seed: int, **conditions: float) -> list[dict[str, Any]]:
-    from firmware_bridge.simulator import labelled_situations
+    from apiary.firmware_bridge.simulator import labelled_situations
 
     rows = []
     for i, s in enumerate(labelled_situations(n, seed, **conditions)):

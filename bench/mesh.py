@@ -19,8 +19,8 @@ def command(
     results: Path = typer.Option(Path("results/bench/mesh"), help="run folder (logs, databases)"),
 ) -> None:
     from apiary.mesh import Mesh, MeshOptions
-    from bench.common import report
-    from shared.logs import configure
+    from apiary.bench.common import report
+    from apiary.shared.logs import configure
 
     configure(level="WARNING", fmt="text")
     mesh = Mesh(MeshOptions(sites=sites, devices=devices, rate=rate, seed=seed, use_mosquitto=True,

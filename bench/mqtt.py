@@ -23,11 +23,11 @@ def command(
     import threading
     import time
 
-    from bench.common import percentile, report
-    from shared import topics
-    from shared.brokers import EmbeddedBroker, MosquittoBroker
-    from shared.protocol import InferenceRequest, InferenceResult, SensorEvent, encode, make
-    from shared.transport import MqttTransport
+    from apiary.bench.common import percentile, report
+    from apiary.shared import topics
+    from apiary.shared.brokers import EmbeddedBroker, MosquittoBroker
+    from apiary.shared.protocol import InferenceRequest, InferenceResult, SensorEvent, encode, make
+    from apiary.shared.transport import MqttTransport
 
     site, device = "bench-site", "hive-01"
 

@@ -33,11 +33,11 @@ def command(
 ) -> None:
     import random
 
-    from bench.common import percentile, report
-    from cloud.engine import EngineConfig, LLMEngine, SamplingParams
-    from shared import assets
+    from apiary.bench.common import percentile, report
+    from apiary.cloud.engine import EngineConfig, LLMEngine, SamplingParams
+    from apiary.shared import assets
 
-    from bench.engine import WORDS
+    from apiary.bench.engine import WORDS
 
     path = Path(model) if model else assets.ensure("smollm2-135m-q4")
     block_size = EngineConfig(model_path=path).block_size

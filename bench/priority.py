@@ -85,10 +85,10 @@ def command(
     quick: bool = typer.Option(False, help="6 high-priority requests"),
     model: str = typer.Option("", help="GGUF or HF folder; default: the smollm2-135m-q4 asset"),
 ) -> None:
-    from bench.common import percentile, report
-    from bench.engine import WORDS
-    from cloud.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
-    from shared import assets
+    from apiary.bench.common import percentile, report
+    from apiary.bench.engine import WORDS
+    from apiary.cloud.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
+    from apiary.shared import assets
 
     if quick:
         high = 6

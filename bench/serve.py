@@ -121,9 +121,9 @@ async def run_rest(url: str, key: str, model: str, samples: list[Sample], concur
 def run_mqtt(mqtt_config, samples: list[Sample], concurrency: int, timeout: float = 600.0) -> PathResult:
     import threading
 
-    from shared import topics
-    from shared.protocol import InferenceRequest, make
-    from shared.transport import MqttTransport
+    from apiary.shared import topics
+    from apiary.shared.protocol import InferenceRequest, make
+    from apiary.shared.transport import MqttTransport
 
     result = PathResult("mqtt")
     outcomes = [Outcome(ok=False) for _ in samples]
@@ -170,7 +170,7 @@ def run_mqtt(mqtt_config, samples: list[Sample], concurrency: int, timeout: floa
 
 
 def summarise(r: PathResult, slo_ttft: float, slo_tpot: float, slo_e2e: float) -> dict:
-    from bench.common import percentile
+    from apiary.bench.common import percentile
 
     ok = [o for o in r.outcomes if o.ok]
     tpot = [(o.e2e - o.ttft) / (o.output_tokens - 1) for o in ok if o.ttft is not None and o.output_tokens > 1]
@@ -247,8 +247,8 @@ def command(
     import asyncio
     import tempfile
 
-    from bench.common import report
-    from shared.brokers import MosquittoBroker
+    from apiary.bench.common import report
+    from apiary.shared.brokers import MosquittoBroker
 
     chosen = [p.strip() for p in paths.split(",") if p.strip()]
     if not chosen or any(p not in ("rest", "mqtt") for p in chosen):

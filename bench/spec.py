@@ -7,8 +7,8 @@ them alike. Every prompt is prefilled once before timing, so the prefix cache se
 variants equally and the numbers are about decoding. Greedy outputs are compared with plain
 decoding token for token.
 
-Structured prompts: ``shared.prompting.build_messages`` for simulator situations
-(``firmware_bridge.simulator.labelled_situations``), with the assistant turn opened by
+Structured prompts: ``apiary.shared.prompting.build_messages`` for simulator situations
+(``apiary.firmware_bridge.simulator.labelled_situations``), with the assistant turn opened by
 ``{"assessment": "`` so the model writes the JSON action. Free text: open questions. The n-gram
 history first holds the answers to ``--history`` other sensor events (as on a server that has
 been answering for a while) and is then frozen, so timed runs cannot feed each other.
@@ -34,8 +34,8 @@ JSON_OPENING = '{"assessment": "'
 
 
 def structured_prompts(tokenizer: Any, n: int, seed: int) -> list[list[int]]:
-    from firmware_bridge.simulator import labelled_situations
-    from shared.prompting import build_messages
+    from apiary.firmware_bridge.simulator import labelled_situations
+    from apiary.shared.prompting import build_messages
 
     out = []
     for s in labelled_situations(n, seed=seed):
@@ -54,10 +54,10 @@ def command(prompts: int = 6, max_tokens: int = 64, k: int = 8, draft_layers: in
             model: str = "") -> None:
     import torch
 
-    from bench.common import report
-    from cloud.engine import EngineConfig, LLMEngine, SamplingParams
-    from cloud.engine.spec import SpeculativeConfig
-    from shared import assets
+    from apiary.bench.common import report
+    from apiary.cloud.engine import EngineConfig, LLMEngine, SamplingParams
+    from apiary.cloud.engine.spec import SpeculativeConfig
+    from apiary.shared import assets
 
     path = model or str(assets.ensure("smollm2-135m-q4"))
     engine = LLMEngine(EngineConfig(

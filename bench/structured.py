@@ -4,7 +4,7 @@ Two parts (``--parts backends,engine``):
 
 * **backends**: the grammar engines alone, on our workload. The vocabulary is the cloud
   engine's tokenizer for SmolLM2 (byte-level BPE, 49,152 tokens); the grammars are the
-  edge's action schema (``shared.prompting.ACTION_JSON_SCHEMA``), eight generic JSON schemas
+  edge's action schema (``apiary.shared.prompting.ACTION_JSON_SCHEMA``), eight generic JSON schemas
   (``bench/data/structured_schemas.json``: nested objects, arrays, enums, numbers with ranges,
   patterns, optional fields, anyOf, a recursive ``$ref``, prefixItems, nullable), ``json_object``
   and a regex. The token sequences replayed are valid instances of each grammar (the worked
@@ -18,7 +18,7 @@ Two parts (``--parts backends,engine``):
   round, rotating which goes first. xgrammar is optional (``pip install 'apiary-mesh[bench]'``);
   without it its rows are skipped with a message.
 * **engine**: one cloud engine (n-gram speculation configured, switched per run) answers the
-  edge's sensor-agent prompts (``shared.prompting.build_messages`` on the simulator's labelled
+  edge's sensor-agent prompts (``apiary.shared.prompting.build_messages`` on the simulator's labelled
   situations) and prompts for the generic schemas, each unconstrained and constrained
   (``SamplingParams(structured=StructuredOutput("json_schema", ...))``), at batch 1 (prompt by
   prompt) and at ``--batch``, speculation off and on. Greedy decoding; constrained and
@@ -82,7 +82,7 @@ def load_schemas() -> dict[str, Any]:
 
 def action_examples() -> list[dict[str, str]]:
     """The sensor-agent prompt's worked answers, fields in the schema's (= generation) order."""
-    from shared.prompting import ACTION_FIELDS, EXAMPLES
+    from apiary.shared.prompting import ACTION_FIELDS, EXAMPLES
 
     return [{k: answer[k] for k in ACTION_FIELDS} for _, answer in EXAMPLES]
 
@@ -182,7 +182,7 @@ class Grammar:
 
 
 def backend_grammars(tok: Any) -> list[Grammar]:
-    from shared.prompting import ACTION_JSON_SCHEMA
+    from apiary.shared.prompting import ACTION_JSON_SCHEMA
 
     data = load_schemas()
 
@@ -467,7 +467,7 @@ def backends_report(result: dict[str, Any], features: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from bench.common import RESULTS_DIR, report
+    from apiary.bench.common import RESULTS_DIR, report
 
     table = Table(title=f"Grammar backends per grammar (median of {result['rounds']} rounds; {features})")
     columns = ["grammar", "tokens", "backend", "compile ms (cold)", "first mask ms", "1st request us/tok",
@@ -526,8 +526,8 @@ class Prompt:
 
 
 def sensor_prompts(tok: Any, n: int, seed: int) -> list[Prompt]:
-    from firmware_bridge.simulator import labelled_situations
-    from shared.prompting import ACTION_JSON_SCHEMA, build_messages
+    from apiary.firmware_bridge.simulator import labelled_situations
+    from apiary.shared.prompting import ACTION_JSON_SCHEMA, build_messages
 
     return [Prompt(tok.encode(tok.apply_chat_template([m.model_dump() for m in build_messages(s.event, s.context)])),
                    "action", ACTION_JSON_SCHEMA) for s in labelled_situations(n, seed=seed)]
@@ -550,7 +550,7 @@ class GrammarTimer:
     swapped until :meth:`close`). Nothing in the engine's code changes."""
 
     def __init__(self, structured: Any) -> None:
-        from cloud.engine import sampling
+        from apiary.cloud.engine import sampling
 
         self.seconds = {"bitmask": 0.0, "accept": 0.0, "valid_prefix": 0.0, "apply_bitmask": 0.0}
         for name in ("bitmask", "accept", "valid_prefix"):
@@ -603,8 +603,8 @@ def _cond(constrained: bool, spec: bool) -> str:
 
 def measure_engine(engine: Any, workloads: dict[str, dict[int, list[Prompt]]], rounds: int,
                    history: list[Prompt]) -> dict[str, Any]:
-    from cloud.engine import SamplingParams
-    from cloud.engine.sampling_params import StructuredOutput
+    from apiary.cloud.engine import SamplingParams
+    from apiary.cloud.engine.sampling_params import StructuredOutput
 
     spec = engine.speculator
     assert spec is not None
@@ -729,8 +729,8 @@ ENGINE_COLUMNS = ["workload", "batch", "condition", "requests", "mean out tok", 
 def _tokenizer(path: str) -> tuple[Any, int]:
     import gguf
 
-    from cloud.engine.loader import read_gguf_metadata
-    from cloud.engine.tokenizer import load_tokenizer
+    from apiary.cloud.engine.loader import read_gguf_metadata
+    from apiary.cloud.engine.tokenizer import load_tokenizer
 
     p = Path(path).expanduser()
     meta = read_gguf_metadata(gguf.GGUFReader(str(p))) if p.is_file() else None
@@ -745,8 +745,8 @@ def command(parts: str = "backends,engine", backends: str = ",".join(BACKENDS), 
             dtype: str = "bfloat16", threads: int = 0, seed: int = 0, model: str = "") -> None:
     import torch
 
-    from bench.common import report
-    from shared import assets
+    from apiary.bench.common import report
+    from apiary.shared import assets
 
     chosen = {p.strip() for p in parts.split(",") if p.strip()}
     if not chosen <= {"backends", "engine"}:
@@ -761,8 +761,8 @@ def command(parts: str = "backends,engine", backends: str = ",".join(BACKENDS), 
         backends_report(result, features)
     if "engine" not in chosen:
         return
-    from cloud.engine import EngineConfig, LLMEngine
-    from cloud.engine.spec import SpeculativeConfig
+    from apiary.cloud.engine import EngineConfig, LLMEngine
+    from apiary.cloud.engine.spec import SpeculativeConfig
 
     engine = LLMEngine(EngineConfig(model_path=path, dtype=dtype, kv_cache_bytes=1 << 30, max_num_seqs=max(batch, 8),
                                     max_num_batched_tokens=2048, num_threads=threads or None,

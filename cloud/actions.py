@@ -1,20 +1,20 @@
 """The cloud's JSON action: one grammar-constrained engine request, scored as the edge scores its own.
 
-The engine decodes under :data:`shared.prompting.ACTION_JSON_SCHEMA`, the schema derived
-from :class:`shared.protocol.Action` that the edge's llama.cpp grammar is built from, so a
+The engine decodes under :data:`apiary.shared.prompting.ACTION_JSON_SCHEMA`, the schema derived
+from :class:`apiary.shared.protocol.Action` that the edge's llama.cpp grammar is built from, so a
 finished answer is a JSON object with only allowed enum values, in the edge's field order
-(explanation first). It goes through ``shared.prompting.parse_action``, the edge's parser,
+(explanation first). It goes through ``apiary.shared.prompting.parse_action``, the edge's parser,
 so both tiers accept exactly the same actions; an answer that is cut off by ``max_tokens``
 or does not validate is reported with a reason, never repaired or invented.
 
-Confidence follows the edge's rule exactly (:func:`shared.confidence.measure`: a low
+Confidence follows the edge's rule exactly (:func:`apiary.shared.confidence.measure`: a low
 quantile, default p10, of the *choice* logprobs over the tokens of the assessment and
 urgency values). With a grammar the engine reports each token's logprob among the
 grammar-allowed tokens (after temperature), which is the edge's choice logprob. Per-token
 byte offsets come from decoding the output token ids incrementally with the engine's
 tokenizer (exact for byte-level BPE such as SmolLM2's). The entropy per token is a top-k
 estimate: the entropy of the engine's top :data:`TOP_LOGPROBS` allowed alternatives,
-renormalised (:func:`shared.confidence.topk_entropy`), as the edge's is over the allowed
+renormalised (:func:`apiary.shared.confidence.topk_entropy`), as the edge's is over the allowed
 tokens among its top-k candidates. The end-of-generation token that closes a finished
 answer is not scored (the edge never records it either).
 """
@@ -24,8 +24,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from shared.confidence import Confidence, measure, topk_entropy
-from shared.prompting import ACTION_JSON_SCHEMA, parse_action
+from apiary.shared.confidence import Confidence, measure, topk_entropy
+from apiary.shared.prompting import ACTION_JSON_SCHEMA, parse_action
 
 TOP_LOGPROBS = 20  # alternatives per token for the entropy estimate (the engine's maximum)
 ACTION_SCHEMA_SPEC = json.dumps(ACTION_JSON_SCHEMA)
@@ -90,8 +90,8 @@ async def generate_action(engine, prompt: str | list[int] | None = None, *,
     ``max_tokens`` is capped to what fits the model's context after the prompt. Engine errors
     (RequestRejected, EngineOverloaded, ...) propagate; a bad answer is an outcome with ``error``.
     """
-    from cloud.engine import SamplingParams
-    from cloud.engine.sampling_params import StructuredOutput
+    from apiary.cloud.engine import SamplingParams
+    from apiary.cloud.engine.sampling_params import StructuredOutput
 
     ids = engine.prompt_token_ids(prompt, messages)
     budget = max(1, min(max_tokens, engine.max_model_len - len(ids)))

@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Literal
 
-from cloud.errors import CloudError
-from shared.logs import get_logger
+from apiary.cloud.errors import CloudError
+from apiary.shared.logs import get_logger
 
 Scope = Literal["inference", "operator"]
 SCOPES: tuple[Scope, ...] = ("inference", "operator")
 PREFIX = "apk_"
-_log = get_logger("cloud.auth")
+_log = get_logger("apiary.cloud.auth")
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,10 +49,10 @@ def serve(
     import signal
     import threading
 
-    from cloud.errors import CloudError
-    from cloud.service import CloudService
-    from cloud.settings import load_settings
-    from shared.logs import configure
+    from apiary.cloud.errors import CloudError
+    from apiary.cloud.service import CloudService
+    from apiary.cloud.settings import load_settings
+    from apiary.shared.logs import configure
 
     configure()
     try:
@@ -98,9 +98,9 @@ def create_key(
     config: Optional[Path] = typer.Option(None, help="apiary TOML config ([cloud] section)"),
 ) -> None:
     """Create an API key; its hash goes to the key file, the key itself is printed once."""
-    from cloud.auth import KeyRing
-    from cloud.errors import CloudError
-    from cloud.settings import load_settings
+    from apiary.cloud.auth import KeyRing
+    from apiary.cloud.errors import CloudError
+    from apiary.cloud.settings import load_settings
 
     try:
         settings = load_settings(config, api_key_file=api_key_file)
@@ -124,10 +124,10 @@ def export_labels(
 ) -> None:
     """Operators' labels as training data: one line per labelled event, {id, label, event, context}
     (the benchmark's eval-set rows) plus note, labelled_by and labelled_at."""
-    from cloud.errors import CloudError
-    from cloud.labels import export_labels as export, parse_since
-    from cloud.settings import load_settings
-    from cloud.store import SqliteStore
+    from apiary.cloud.errors import CloudError
+    from apiary.cloud.labels import export_labels as export, parse_since
+    from apiary.cloud.settings import load_settings
+    from apiary.cloud.store import SqliteStore
 
     try:
         settings = load_settings(config, db=db)

@@ -17,8 +17,8 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
-from cloud.errors import CloudError
-from cloud.store import Store
+from apiary.cloud.errors import CloudError
+from apiary.cloud.store import Store
 
 CONTEXT_EVENTS = 6  # the edge agent's default context (edge settings' context_events) and the eval set's
 

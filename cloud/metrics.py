@@ -321,7 +321,7 @@ class Metrics:
     def watch_fleet(self, transport: Any, devices: Callable[[], list[dict[str, Any]]]) -> None:
         """Count answers and OTA reports off ``transport`` (beside the recorder, on the same topics) and export
         the devices ``devices()`` lists (the store's fleet) at scrape time."""
-        from shared import topics
+        from apiary.shared import topics
 
         transport.subscribe(topics.all_of("answer"), self.observe_fleet_message, qos=1)
         transport.subscribe(topics.all_of("ota/status"), self.observe_fleet_message, qos=1)
@@ -329,8 +329,8 @@ class Metrics:
 
     def observe_fleet_message(self, topic: str, env: Any) -> None:
         """One answer or OTA report as the recorder gets it; a body speaking for another node is not counted."""
-        from shared import identity
-        from shared.protocol import InferenceResult, OtaStatus
+        from apiary.shared import identity
+        from apiary.shared.protocol import InferenceResult, OtaStatus
 
         try:
             identity.check(topic, env)

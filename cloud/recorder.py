@@ -5,7 +5,7 @@ to plain subscribers, and every replica recording the same message is harmless b
 the store's writes are idempotent on the envelope id. Handlers run on the MQTT network
 thread and do one small indexed SQLite write each.
 
-A message is stored only under the node of the topic it arrived on (``shared.identity``): a
+A message is stored only under the node of the topic it arrived on (``apiary.shared.identity``): a
 body naming another site or device is refused, counted (``apiary_recorded_messages_total``,
 kind ``<type>_refused``) and logged, so a device can write only its own fleet records, and a
 retained spoof is refused again at every start. Device state then follows the Sparkplug
@@ -15,14 +15,14 @@ from __future__ import annotations
 
 from typing import Callable
 
-from shared import identity, topics
-from shared.logs import get_logger
-from shared.protocol import DeviceState, Envelope, InferenceResult, OtaStatus, SensorEvent
+from apiary.shared import identity, topics
+from apiary.shared.logs import get_logger
+from apiary.shared.protocol import DeviceState, Envelope, InferenceResult, OtaStatus, SensorEvent
 
-from cloud.metrics import Metrics
-from cloud.store import Store
+from apiary.cloud.metrics import Metrics
+from apiary.cloud.store import Store
 
-_log = get_logger("cloud.recorder")
+_log = get_logger("apiary.cloud.recorder")
 
 KINDS = ("state", "event", "answer", "ota/status")
 

@@ -35,14 +35,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from shared import image, topics
-from shared.logs import get_logger
-from shared.protocol import OtaCommand, make
+from apiary.shared import image, topics
+from apiary.shared.logs import get_logger
+from apiary.shared.protocol import OtaCommand, make
 
-from cloud.errors import CloudError
-from cloud.store import Store
+from apiary.cloud.errors import CloudError
+from apiary.cloud.store import Store
 
-_log = get_logger("cloud.rollouts")
+_log = get_logger("apiary.cloud.rollouts")
 
 STATES = ("running", "completed", "aborted")
 COMMITTED = "committed"

@@ -19,20 +19,20 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from shared import topics
-from shared.logs import get_logger
-from shared.protocol import DeviceState, make
+from apiary.shared import topics
+from apiary.shared.logs import get_logger
+from apiary.shared.protocol import DeviceState, make
 
-from cloud.auth import SCOPES, KeyRing
-from cloud.errors import CloudError
-from cloud.metrics import Metrics
-from cloud.recorder import Recorder
-from cloud.rollouts import RolloutDriver, publish_command
-from cloud.settings import CloudSettings
-from cloud.store import SqliteStore, Store
-from cloud.worker import EscalationWorker, WorkerConfig
+from apiary.cloud.auth import SCOPES, KeyRing
+from apiary.cloud.errors import CloudError
+from apiary.cloud.metrics import Metrics
+from apiary.cloud.recorder import Recorder
+from apiary.cloud.rollouts import RolloutDriver, publish_command
+from apiary.cloud.settings import CloudSettings
+from apiary.cloud.store import SqliteStore, Store
+from apiary.cloud.worker import EscalationWorker, WorkerConfig
 
-_log = get_logger("cloud.service")
+_log = get_logger("apiary.cloud.service")
 
 
 @dataclass(slots=True)
@@ -46,7 +46,7 @@ class ServiceInfo:
 
 def build_engine(settings: CloudSettings):
     """The engine the settings describe, wrapped for asyncio callers."""
-    from cloud.engine import AsyncEngine, EngineConfig, EngineError, LLMEngine
+    from apiary.cloud.engine import AsyncEngine, EngineConfig, EngineError, LLMEngine
 
     path = settings.resolve_model_path()
     try:
@@ -72,7 +72,7 @@ class CloudService:
         self._own_store = store is None
         self.keys: KeyRing | None = None
         self.metrics = Metrics()
-        from cloud.api.health import Lifecycle
+        from apiary.cloud.api.health import Lifecycle
 
         self.lifecycle = Lifecycle(broker_required=bool(settings.broker))  # what /ready answers; drain() moves it
         self.gate = None  # cloud.api.health.Gate: what uvicorn serves (probes while the model loads, then the app)
@@ -101,8 +101,8 @@ class CloudService:
             raise
 
     def _start(self, timeout: float) -> ServiceInfo:
-        from cloud.api import AppContext, create_app
-        from cloud.api.health import Gate
+        from apiary.cloud.api import AppContext, create_app
+        from apiary.cloud.api.health import Gate
 
         s = self.settings
         # Fail fast: what can be wrong in a moment is checked before the model load (a minute on a busy CPU).
@@ -143,7 +143,7 @@ class CloudService:
                            model_version=self.settings.model_name)
 
     def _start_mqtt(self, timeout: float) -> None:
-        from shared.transport import MqttTransport, TransportError
+        from apiary.shared.transport import MqttTransport, TransportError
 
         s = self.settings
         state_topic = topics.state(topics.CLOUD_SITE, s.worker_id)

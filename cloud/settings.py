@@ -11,11 +11,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from cloud.errors import CloudError
-from shared.config import ConfigError, MqttConfig, load_section, with_broker_url
-from shared.hostname import host_name
-from shared.model_ids import aliases, model_id
-from shared.topics import DEFAULT_SHARE_GROUP
+from apiary.cloud.errors import CloudError
+from apiary.shared.config import ConfigError, MqttConfig, load_section, with_broker_url
+from apiary.shared.hostname import host_name
+from apiary.shared.model_ids import aliases, model_id
+from apiary.shared.topics import DEFAULT_SHARE_GROUP
 
 
 def default_worker_id() -> str:
@@ -132,7 +132,7 @@ class CloudSettings(BaseModel):
         """The engine's SpeculativeConfig for these settings (None when off)."""
         if self.speculative == "off":
             return None
-        from cloud.engine import SpeculativeConfig
+        from apiary.cloud.engine import SpeculativeConfig
 
         if self.speculative == "ngram":
             return SpeculativeConfig(method="ngram", k=self.spec_k)
@@ -146,7 +146,7 @@ class CloudSettings(BaseModel):
 
     def resolve_adapter_path(self, model_path: Path) -> Path | None:
         """The adapter folder to merge into ``model_path`` (None: serve the model as it is)."""
-        from shared import assets
+        from apiary.shared import assets
 
         if self.adapter == "none":
             return None
@@ -170,7 +170,7 @@ class CloudSettings(BaseModel):
         path = Path(name).expanduser()
         if path.exists():
             return path
-        from shared import assets
+        from apiary.shared import assets
 
         try:
             return assets.ensure(name)

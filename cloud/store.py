@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from cloud.errors import CloudError
-from shared.protocol import DeviceState, InferenceResult, OtaStatus, SensorEvent
+from apiary.cloud.errors import CloudError
+from apiary.shared.protocol import DeviceState, InferenceResult, OtaStatus, SensorEvent
 
 ClaimState = Literal["claimed", "answered", "busy"]
 

@@ -21,7 +21,7 @@ them. For every request the worker
 3. runs the engine at the request's priority (smaller = more urgent, the same scale on
    both sides) and replies ``InferenceResult(tier="cloud")`` on that reply topic with
    the request's correlation id; a ``json_action`` answer is decoded under the action's JSON
-   Schema and carries its confidence, scored by the edge's rule (``cloud.actions``);
+   Schema and carries its confidence, scored by the edge's rule (``apiary.cloud.actions``);
 4. stores the result with its outcome and latency.
 
 At-least-once answering with exactly-once effect: a worker id is one process at a time (it
@@ -41,15 +41,15 @@ import threading
 import time
 from dataclasses import dataclass
 
-from shared import identity, topics
-from shared.logs import bind, get_logger
-from shared.protocol import Envelope, InferenceRequest, InferenceResult, ProtocolError, decode, encode
+from apiary.shared import identity, topics
+from apiary.shared.logs import bind, get_logger
+from apiary.shared.protocol import Envelope, InferenceRequest, InferenceResult, ProtocolError, decode, encode
 
-from cloud.actions import ActionOutcome, generate_action
-from cloud.metrics import Metrics
-from cloud.store import Store
+from apiary.cloud.actions import ActionOutcome, generate_action
+from apiary.cloud.metrics import Metrics
+from apiary.cloud.store import Store
 
-_log = get_logger("cloud.worker")
+_log = get_logger("apiary.cloud.worker")
 
 
 @dataclass(slots=True)
@@ -257,7 +257,7 @@ class EscalationWorker:
 
     # ---- inference ------------------------------------------------------------------------------
     async def _answer(self, req: InferenceRequest, received_at: float) -> InferenceResult:
-        from cloud.engine import EngineError, EngineOverloaded, RequestRejected
+        from apiary.cloud.engine import EngineError, EngineOverloaded, RequestRejected
 
         def result(status: str, **fields) -> InferenceResult:
             return InferenceResult(
@@ -291,7 +291,7 @@ class EscalationWorker:
 
     async def _limited(self, req: InferenceRequest) -> ActionOutcome:
         """Run within the worker's concurrency; a full engine queue is retried with backoff, not bounced."""
-        from cloud.engine import EngineOverloaded
+        from apiary.cloud.engine import EngineOverloaded
 
         async with self._semaphore:
             give_up = time.monotonic() + self.config.overload_retry_s
@@ -308,14 +308,14 @@ class EscalationWorker:
 
     async def _infer(self, req: InferenceRequest) -> ActionOutcome:
         """One engine request: the schema-constrained Action (``json_action``, with its confidence) or plain text."""
-        from cloud.engine import RequestRejected, SamplingParams
+        from apiary.cloud.engine import RequestRejected, SamplingParams
 
         messages = [m.model_dump() for m in req.messages]
         if req.event is not None and req.response_format == "json_action" and (
                 not messages or self.engine.prompt_style != "examples"):
             # A sensor event is asked in the cloud model's own prompt style: a task-tuned teacher reads the
             # short prompt it was tuned on, whatever prompt the edge's model needed.
-            from shared.prompting import build_messages
+            from apiary.shared.prompting import build_messages
 
             messages = [m.model_dump() for m in build_messages(req.event, list(req.context),
                                                                style=self.engine.prompt_style)]

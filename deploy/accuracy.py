@@ -15,9 +15,9 @@ def engine_accuracy(model: Path, prompts: Sequence[str | list[dict[str, str]]], 
     """Accuracy, valid-answer share and per-label counts of ``model`` (+ ``adapter``) on ``prompts`` (chat
     messages, rendered with the model's template, or text already rendered) whose true assessments are
     ``labels``."""
-    from cloud.engine import EngineConfig, LLMEngine, SamplingParams
-    from cloud.engine.sampling_params import StructuredOutput
-    from shared.prompting import ACTION_JSON_SCHEMA, parse_action
+    from apiary.cloud.engine import EngineConfig, LLMEngine, SamplingParams
+    from apiary.cloud.engine.sampling_params import StructuredOutput
+    from apiary.shared.prompting import ACTION_JSON_SCHEMA, parse_action
 
     if len(prompts) != len(labels):
         raise ValueError(f"{len(prompts)} prompts for {len(labels)} labels")

@@ -3,15 +3,15 @@
 A label gives only the assessment; the action, urgency and explanation are written from the
 event itself (which flags it rests on), so the tuned model learns to say why, in the same few
 words every time, and the urgency follows the bridge's severity. The
-JSON has the edge grammar's field order (``shared.prompting.ACTION_FIELDS``) and its limits.
+JSON has the edge grammar's field order (``apiary.shared.prompting.ACTION_FIELDS``) and its limits.
 """
 from __future__ import annotations
 
 import json
 from typing import Any, Sequence
 
-from shared.prompting import ACTION_FIELDS, ACTION_JSON_SCHEMA
-from shared.protocol import SensorEvent, Severity
+from apiary.shared.prompting import ACTION_FIELDS, ACTION_JSON_SCHEMA
+from apiary.shared.protocol import SensorEvent, Severity
 
 ACTIONS: dict[str, str] = {
     "normal": "No action needed, inspect as planned",

@@ -15,14 +15,14 @@ DEFAULT_OUT = Path("results") / "distill" / "student"
 def _teacher_path(teacher: Optional[Path]) -> Path:
     if teacher is not None:
         return teacher
-    from shared import assets
+    from apiary.shared import assets
 
     return assets.ensure("smollm2-135m-q4")
 
 
 def _teacher_adapter(choice: str, teacher: Path) -> Optional[Path]:
     """``auto``: the shipped teacher adapter when ``teacher`` is the base it was tuned on; ``none``; or a folder."""
-    from shared import assets
+    from apiary.shared import assets
 
     if choice == "none":
         return None
@@ -71,7 +71,7 @@ def distill_command(
     progress: bool = typer.Option(True, help="Show the progress bar."),
 ) -> None:
     """Distill the cloud model into a smaller student (resumable); writes a Hugging Face folder the engine loads."""
-    from deploy.distill import DistillConfig, DistillError, distill
+    from apiary.deploy.distill import DistillConfig, DistillError, distill
 
     try:
         ids = [int(x) for x in layer_ids.split(",")] if layer_ids else None
@@ -122,7 +122,7 @@ def finetune_command(
 ) -> None:
     """Tune the cloud model to the sensor task from labelled situations (LoRA, resumable); the adapter
     is what `apiary cloud serve --adapter` merges at load."""
-    from deploy.finetune import FinetuneConfig, FinetuneError, finetune
+    from apiary.deploy.finetune import FinetuneConfig, FinetuneError, finetune
 
     try:
         cfg = FinetuneConfig(base=_teacher_path(base), out=out, steps=steps, batch_size=batch_size, lr=lr, rank=rank,
@@ -153,7 +153,7 @@ def quantize_command(
     threads: int = typer.Option(1, help="llama.cpp threads."),
 ) -> None:
     """Export a student folder to an INT4 GGUF; report its size and top-1 agreement with its float32 self."""
-    from deploy.quantize import QuantizeError, quantize
+    from apiary.deploy.quantize import QuantizeError, quantize
 
     out = out or folder.parent / f"{folder.parent.name}-{qtype}.gguf"
     default_corpus = folder.parent / "eval.jsonl"
@@ -175,7 +175,7 @@ image_app = typer.Typer(help="Signed edge images: keys, build, verify, OTA comma
 def keygen(out_dir: Path = typer.Option(Path(".apiary/keys"), help="Folder for NAME.key and NAME.pub."),
            name: str = typer.Option("apiary-image", help="Base name of the key files: NAME.key (private) and NAME.pub.")) -> None:
     """Write an Ed25519 key pair: NAME.key (PKCS#8 PEM, 0600, keep it off devices) and NAME.pub (64 hex)."""
-    from shared.image import ImageError, write_keypair
+    from apiary.shared.image import ImageError, write_keypair
 
     try:
         priv, pub = write_keypair(out_dir, name)
@@ -194,7 +194,7 @@ def build(model: Path = typer.Argument(..., help="The model file (INT4 GGUF)."),
           threads: int = typer.Option(2, help="llama.cpp threads on the device."),
           n_ctx: int = typer.Option(2048, help="Context length on the device (the edge prompt with context needs ~1.4k).")) -> None:
     """Pack a model with a signed manifest into one archive; print what the OTA command must carry."""
-    from shared.image import ImageError, build_image
+    from apiary.shared.image import ImageError, build_image
 
     try:
         cfg = _read_config(edge_config) if edge_config else {}
@@ -213,7 +213,7 @@ def verify(archive: Path = typer.Argument(...),
            sha256: Optional[str] = typer.Option(None, help="Expected archive sha256 (as in the OTA command)."),
            version: Optional[str] = typer.Option(None, help="Expected image version.")) -> None:
     """Check an archive exactly as a device does (hash, signature, manifest, model hash); exit 1 if refused."""
-    from shared.image import ImageError, verify_image
+    from apiary.shared.image import ImageError, verify_image
 
     try:
         info = verify_image(archive, public_key, expected_sha256=sha256, expected_version=version)
@@ -231,8 +231,8 @@ def ota_command(archive: Path = typer.Argument(...),
                 public_key: Path = typer.Option(..., help="Public key, to check the archive before announcing it."),
                 broker: Optional[str] = typer.Option(None, help="mqtt://host:port: publish it (else just print it).")) -> None:
     """Build (and optionally publish) the OTA command for an archive, after verifying it."""
-    from shared.image import ImageError, verify_image
-    from shared.protocol import OtaCommand
+    from apiary.shared.image import ImageError, verify_image
+    from apiary.shared.protocol import OtaCommand
 
     try:
         info = verify_image(archive, public_key)
@@ -242,10 +242,10 @@ def ota_command(archive: Path = typer.Argument(...),
         _fail(str(e))
     typer.echo(cmd.model_dump_json(indent=1))
     if broker:
-        from shared import topics
-        from shared.config import MqttConfig
-        from shared.protocol import make
-        from shared.transport import MqttTransport
+        from apiary.shared import topics
+        from apiary.shared.config import MqttConfig
+        from apiary.shared.protocol import make
+        from apiary.shared.transport import MqttTransport
 
         with MqttTransport(MqttConfig.from_url(broker), f"apiary-ota-{site}-{device}", persistent=False) as t:
             ok = t.publish(topics.ota_command(site, device), make(cmd, sender="apiary-image"), qos=1, timeout=10)
@@ -360,7 +360,7 @@ def pki_init(folder: Path = PKI_DIR,
              name: str = typer.Option("apiary-fleet-ca", help="The CA's common name."),
              days: int = typer.Option(3650, min=1, help="Validity in days.")) -> None:
     """Make the fleet's CA: ca.crt (give it to every node and broker) and ca.key (0600; keep it offline)."""
-    from deploy.pki import PkiError, init_ca
+    from apiary.deploy.pki import PkiError, init_ca
 
     try:
         made = init_ca(folder, name=name, days=days)
@@ -383,7 +383,7 @@ def pki_issue(name: str = typer.Argument(..., help="Common name: the node's name
                                                             "only there (any site when omitted).")) -> None:
     """Issue NAME.crt and NAME.key signed by the CA. The broker takes a client certificate's name as the MQTT
     username, so the ACL binds the node to its own topics by its certificate."""
-    from deploy.pki import PkiError, issue
+    from apiary.deploy.pki import PkiError, issue
 
     try:
         made = issue(folder, name, server=server, hosts=host, days=days, out=out, role=role, site=site)
@@ -397,7 +397,7 @@ def pki_acl(folder: Path = PKI_DIR,
             out: Path = typer.Option(Path(".apiary/pki/fleet.acl"), help="The ACL file to write (the broker's "
                                                                          "acl_file).")) -> None:
     """Write the broker's ACL from every client certificate issued: each device bound to its own node and site."""
-    from deploy.pki import PkiError, write_acl
+    from apiary.deploy.pki import PkiError, write_acl
 
     try:
         path = write_acl(folder, out)

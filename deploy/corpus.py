@@ -1,7 +1,7 @@
 """The distillation corpus: sensor-agent prompts with the teacher's own answers, plus general text we ship.
 
-Sensor samples are the edge's real work: ``firmware_bridge.simulator.labelled_situations``
-events rendered with ``shared.prompting.build_messages`` in the teacher's prompt style (the
+Sensor samples are the edge's real work: ``apiary.firmware_bridge.simulator.labelled_situations``
+events rendered with ``apiary.shared.prompting.build_messages`` in the teacher's prompt style (the
 tuned teacher's short prompt, or the worked examples for an untuned one) and the model's chat
 template, answered by the teacher as the cloud answers them: our engine, the base model with
 its adapter merged, greedy, the ``Action`` JSON schema enforced. Each record keeps the
@@ -57,8 +57,8 @@ def sensor_situations(n: int, seed: int, style: str = "examples",
     """
     import random
 
-    from firmware_bridge.simulator import labelled_situations
-    from shared.prompting import build_messages
+    from apiary.firmware_bridge.simulator import labelled_situations
+    from apiary.shared.prompting import build_messages
 
     rng = random.Random(seed * 7_919 + 17)
     out = []
@@ -86,7 +86,7 @@ def general_samples(path: str | Path = GENERAL_TEXT) -> list[Sample]:
 
 def teacher_engine(teacher: str | Path, adapter: str | Path | None = None) -> Any:
     """The cloud engine on the teacher (``adapter`` merged at load), sized for batch answering."""
-    from cloud.engine import EngineConfig, LLMEngine
+    from apiary.cloud.engine import EngineConfig, LLMEngine
 
     return LLMEngine(EngineConfig(model_path=Path(teacher), adapter_path=Path(adapter) if adapter else None,
                                   kv_cache_bytes=512 << 20, max_num_seqs=ANSWER_BATCH, max_num_batched_tokens=4096))
@@ -101,9 +101,9 @@ def build_sensor_corpus(engine: Any, out: str | Path, n: int, seed: int, *, styl
     Answers are greedy under the ``Action`` JSON schema and end with the end-of-turn token, which
     the teacher emits after a complete answer and the student must learn to emit too.
     """
-    from cloud.engine import SamplingParams
-    from cloud.engine.sampling_params import StructuredOutput
-    from shared.prompting import ACTION_JSON_SCHEMA, parse_action
+    from apiary.cloud.engine import SamplingParams
+    from apiary.cloud.engine.sampling_params import StructuredOutput
+    from apiary.shared.prompting import ACTION_JSON_SCHEMA, parse_action
 
     out = Path(out)
     done = _continue(out)

@@ -47,11 +47,11 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from cloud.engine.config import ModelConfig
-from cloud.engine.loader import Checkpoint
-from deploy import corpus as corpus_mod
-from deploy.agreement import agreement, torch_top1
-from deploy.student import (LlamaForTraining, load_model, save_hf_folder, spread_layers, student_from_teacher,
+from apiary.cloud.engine.config import ModelConfig
+from apiary.cloud.engine.loader import Checkpoint
+from apiary.deploy import corpus as corpus_mod
+from apiary.deploy.agreement import agreement, torch_top1
+from apiary.deploy.student import (LlamaForTraining, load_model, save_hf_folder, spread_layers, student_from_teacher,
                             tokenizer_metadata)
 
 
@@ -114,7 +114,7 @@ class DistillConfig:
         """The prompt the teacher was tuned for (its adapter's), which the student inherits."""
         if self.teacher_adapter is None:
             return "examples"
-        from cloud.engine.adapter import read_config
+        from apiary.cloud.engine.adapter import read_config
 
         return read_config(self.teacher_adapter).prompt_style
 
@@ -298,7 +298,7 @@ def teacher_tokenizer(teacher: Path, cache: Path) -> dict[str, Any]:
     """The teacher GGUF's tokenizer metadata, cached next to the run (parsing a 49k-token vocabulary is slow)."""
     import gguf
 
-    from cloud.engine.loader import read_gguf_metadata
+    from apiary.cloud.engine.loader import read_gguf_metadata
 
     if teacher.is_dir():
         return {}
@@ -326,7 +326,7 @@ def _fingerprint(*parts: Any) -> str:
 
 def corpus_stamp(cfg: DistillConfig) -> dict[str, Any]:
     """What the corpus is built from; a folder built otherwise cannot be continued."""
-    from cloud.engine.adapter import file_sha256
+    from apiary.cloud.engine.adapter import file_sha256
 
     adapter = None
     if cfg.teacher_adapter is not None:
@@ -390,7 +390,7 @@ def prepare_corpus(cfg: DistillConfig, log: Callable[[str], None],
 
 def load_teacher(cfg: DistillConfig) -> LlamaForTraining:
     """The teacher as a training module: the base model with its adapter (if any) merged into the weights."""
-    from cloud.engine.adapter import merge
+    from apiary.cloud.engine.adapter import merge
 
     teacher, _ = load_model(cfg.teacher)
     if cfg.teacher_adapter is not None:
@@ -401,7 +401,7 @@ def load_teacher(cfg: DistillConfig) -> LlamaForTraining:
 
 def task_accuracy(model_dir: Path, held_out: list[corpus_mod.Sample], max_tokens: int) -> dict[str, Any]:
     """The student's accuracy on the held-out situations through the real engine, beside the teacher's."""
-    from deploy.accuracy import engine_accuracy
+    from apiary.deploy.accuracy import engine_accuracy
 
     if not held_out:
         return {}
@@ -469,7 +469,7 @@ def distill(cfg: DistillConfig, *, resume: bool = True, progress: bool = True,
             log: Callable[[str], None] = print) -> DistillReport:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from cloud.engine.tokenizer import Tokenizer
+    from apiary.cloud.engine.tokenizer import Tokenizer
 
     t_start = time.perf_counter()
     torch.manual_seed(cfg.seed)

@@ -6,13 +6,13 @@ simulator's, with seeds no benchmark split uses, plus operators' labels exported
 ``apiary fleet export-labels``): the prompt is the short one (system message and the event,
 no worked examples, < 400 tokens) and the target is the ``Action`` JSON with the true
 assessment and an action, urgency and explanation written from the event
-(``deploy.answers``). Only the answer tokens (and the end token) carry loss.
+(``apiary.deploy.answers``). Only the answer tokens (and the end token) carry loss.
 
 Why a hand-written LoRA and not peft: the training model is our own ``LlamaForTraining``
 (Hugging Face weight names, the engine's loader and RoPE), not a transformers model, and
 the wrapper is a dozen lines; peft would bring transformers and accelerate into a deploy
 tool for the same arithmetic. The adapter is saved in the engine's format
-(``cloud.engine.adapter``) and merged at load, so serving the teacher costs nothing extra.
+(``apiary.cloud.engine.adapter``) and merged at load, so serving the teacher costs nothing extra.
 
 Everything lives under one folder and resumes where it stopped::
 
@@ -38,9 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cloud.engine import adapter as adapter_format
-from deploy.answers import answer_text
-from deploy.student import LlamaForTraining, load_model
+from apiary.cloud.engine import adapter as adapter_format
+from apiary.deploy.answers import answer_text
+from apiary.deploy.student import LlamaForTraining, load_model
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Seeds of the simulator splits: training and validation are disjoint from bench/make_edge_eval's
@@ -164,7 +164,7 @@ def load_lora(wrapped: dict[str, LoRALinear], tensors: dict[str, torch.Tensor]) 
 
 def situations_from_labels(paths: Sequence[Path]) -> list[tuple[str, Any, list[Any]]]:
     """(label, event, context) rows of operator label exports (``apiary fleet export-labels``)."""
-    from shared.protocol import ASSESSMENTS, SensorEvent
+    from apiary.shared.protocol import ASSESSMENTS, SensorEvent
 
     rows = []
     for path in paths:
@@ -185,7 +185,7 @@ def situations_from_labels(paths: Sequence[Path]) -> list[tuple[str, Any, list[A
 
 def build_examples(tok: Any, rows: Sequence[tuple[str, Any, list[Any]]]) -> list[Example]:
     """Short-prompt chats and their reference answers as token ids (the prompt as the engine renders it)."""
-    from shared.prompting import build_messages
+    from apiary.shared.prompting import build_messages
 
     eos = tok.eos_token_id
     if eos is None:
@@ -245,8 +245,8 @@ def autocast_dtype(choice: str) -> torch.dtype | None:
 def validate(base: Path, adapter_dir: Path | None, rows: Sequence[tuple[str, Any, list[Any]]],
              max_tokens: int = 96) -> dict[str, Any]:
     """Accuracy of the base (+ adapter) on ``rows`` in the short prompt through the real engine."""
-    from deploy.accuracy import engine_accuracy
-    from shared.prompting import build_messages
+    from apiary.deploy.accuracy import engine_accuracy
+    from apiary.shared.prompting import build_messages
 
     prompts = [[m.model_dump() for m in build_messages(e, c, style="short")] for _, e, c in rows]
     return engine_accuracy(base, prompts, [label for label, _, _ in rows], adapter=adapter_dir, max_tokens=max_tokens)
@@ -263,8 +263,8 @@ def _atomic_save(obj: Any, path: Path) -> None:
 
 def finetune(cfg: FinetuneConfig, *, resume: bool = True, progress: bool = True,
              log: Callable[[str], None] = print) -> FinetuneReport:
-    from cloud.engine.tokenizer import load_tokenizer
-    from firmware_bridge.simulator import labelled_situations
+    from apiary.cloud.engine.tokenizer import load_tokenizer
+    from apiary.firmware_bridge.simulator import labelled_situations
 
     started = time.perf_counter()
     if cfg.threads:

@@ -75,7 +75,7 @@ def gguf_name(hf: str) -> str:
 def folder_prompt_style(folder: str | Path) -> str | None:
     """The prompt style ``folder``'s model was tuned for: ``config.json``'s ``apiary_distill.prompt_style``,
     else its ``apiary_prompt_style``, else None. Raises :class:`QuantizeError` for an unknown style."""
-    from shared.prompting import PROMPT_STYLES
+    from apiary.shared.prompting import PROMPT_STYLES
 
     path = Path(folder) / "config.json"
     try:
@@ -96,9 +96,9 @@ def export_gguf(folder: str | Path, out: str | Path, qtype: str = "q4_0", name: 
     names one) as ``apiary.prompt_style``."""
     import gguf
 
-    from cloud.engine.errors import EngineError
-    from cloud.engine.loader import load_checkpoint
-    from deploy.student import read_tokenizer_metadata
+    from apiary.cloud.engine.errors import EngineError
+    from apiary.cloud.engine.loader import load_checkpoint
+    from apiary.deploy.student import read_tokenizer_metadata
 
     folder, out = Path(folder), Path(out)
     if qtype not in QTYPES:
@@ -134,7 +134,7 @@ def _write(tmp: Path, folder: Path, name: str | None, c: Any, weights: dict[str,
            block_type: Any, file_type: Any, embed_type: Any, prompt_style: str | None) -> None:
     import gguf
 
-    from shared.prompting import PROMPT_STYLE_KEY
+    from apiary.shared.prompting import PROMPT_STYLE_KEY
 
     w = gguf.GGUFWriter(tmp, arch="llama")
     w.add_type("model")
@@ -216,9 +216,9 @@ def _add_tokenizer(w: Any, meta: dict[str, Any]) -> None:
 
 def eval_sequences(folder: str | Path, corpus_path: str | Path | None = None, n: int = 16) -> list[list[int]]:
     """Token sequences to compare on: a corpus (e.g. distill's eval.jsonl), else sensor prompts + general text."""
-    from cloud.engine.tokenizer import Tokenizer
-    from deploy import corpus
-    from deploy.student import read_tokenizer_metadata
+    from apiary.cloud.engine.tokenizer import Tokenizer
+    from apiary.deploy import corpus
+    from apiary.deploy.student import read_tokenizer_metadata
 
     meta = read_tokenizer_metadata(folder)
     tok = Tokenizer.from_gguf_metadata(meta)
@@ -233,8 +233,8 @@ def eval_sequences(folder: str | Path, corpus_path: str | Path | None = None, n:
 def quantize(folder: str | Path, out: str | Path, qtype: str = "q4_0", *, corpus_path: str | Path | None = None,
              n_eval: int = 16, threads: int = 2, embed_qtype: str = "q8_0") -> QuantizeReport:
     """Export, then measure the GGUF (llama.cpp) against the folder's float32 model (torch)."""
-    from deploy.agreement import agreement, llama_top1, torch_top1
-    from deploy.student import load_model
+    from apiary.deploy.agreement import agreement, llama_top1, torch_top1
+    from apiary.deploy.student import load_model
 
     path = export_gguf(folder, out, qtype, embed_qtype=embed_qtype)
     fp32 = sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))

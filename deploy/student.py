@@ -19,17 +19,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cloud.engine.config import ModelConfig
-from cloud.engine.loader import Checkpoint, load_checkpoint
-from cloud.engine.model import rope_inv_freq
-from deploy.qat import fake_quant
+from apiary.cloud.engine.config import ModelConfig
+from apiary.cloud.engine.loader import Checkpoint, load_checkpoint
+from apiary.cloud.engine.model import rope_inv_freq
+from apiary.deploy.qat import fake_quant
 
 KV = tuple[torch.Tensor, torch.Tensor]  # one layer's keys and values, [batch, kv_heads, tokens, head_dim]
 TOKENIZER_META_FILE = "tokenizer_gguf.json"  # the teacher GGUF's tokenizer.* metadata, for the GGUF export
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose weight can be seen through the export's INT4 rounding (``deploy.qat``)."""
+    """``nn.Linear`` whose weight can be seen through the export's INT4 rounding (``apiary.deploy.qat``)."""
 
     fake_quant: str | None = None  # a deploy.qat qtype while quantization-aware training runs
 
@@ -219,7 +219,7 @@ def load_model(path: str | Path) -> tuple[LlamaForTraining, Checkpoint]:
 
 
 def hf_config(config: ModelConfig, tokenizer_meta: dict[str, Any]) -> dict[str, Any]:
-    """config.json in the Hugging Face Llama schema (the keys ``cloud.engine.loader.load_hf_folder`` reads)."""
+    """config.json in the Hugging Face Llama schema (the keys ``apiary.cloud.engine.loader.load_hf_folder`` reads)."""
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
@@ -244,7 +244,7 @@ def save_hf_folder(model: LlamaForTraining, tokenizer_meta: dict[str, Any], out:
     """Write config.json, model.safetensors and the tokenizer files; each file replaced atomically."""
     from safetensors.torch import save_file
 
-    from cloud.engine.tokenizer import Tokenizer
+    from apiary.cloud.engine.tokenizer import Tokenizer
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ Threads and why:
   marking the event done.
 * **flusher** sends the outbox. It sleeps until something is queued or the link comes
   back (the transport's link listener), never on a polling timer; the only timed
-  wake-ups are escalation re-sends (``edge.resend``: an unanswered escalation goes out
+  wake-ups are escalation re-sends (``apiary.edge.resend``: an unanswered escalation goes out
   again until its deadline, even while the link stays up), escalation deadlines (fall
   back to the local draft) and telemetry.
 
@@ -24,7 +24,7 @@ Threads and why:
   or is lost. A failed check keeps the old model and the old slot (``rolled_back``). A
   command deferred for a low battery is taken up again once a reading shows it recovered.
 
-Identity comes from the topic (``shared.identity``): an event, a reply or an OTA command whose
+Identity comes from the topic (``apiary.shared.identity``): an event, a reply or an OTA command whose
 body names another site or device than the topic it arrived on is dropped, counted
 (``foreign_events``, ``foreign_replies``, ``foreign_ota_commands``) and logged, never acted on.
 
@@ -40,17 +40,17 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from edge.errors import EdgeError
-from edge.model import LocalModel
-from edge.ota import HealthCheckFailed, LlamaHealthCheck, OtaUpdater, judge_probe, probe
-from edge.resend import ResendSchedule
-from edge.responder import Outcome, Responder
-from edge.settings import EdgeSettings
-from edge.store import DeviceStore, OutboxItem
-from shared import identity, image, topics
-from shared.config import MqttConfig
-from shared.logs import bind, get_logger
-from shared.protocol import (DeviceState, Envelope, InferenceResult, MessageType, OtaCommand, ProtocolError,
+from apiary.edge.errors import EdgeError
+from apiary.edge.model import LocalModel
+from apiary.edge.ota import HealthCheckFailed, LlamaHealthCheck, OtaUpdater, judge_probe, probe
+from apiary.edge.resend import ResendSchedule
+from apiary.edge.responder import Outcome, Responder
+from apiary.edge.settings import EdgeSettings
+from apiary.edge.store import DeviceStore, OutboxItem
+from apiary.shared import identity, image, topics
+from apiary.shared.config import MqttConfig
+from apiary.shared.logs import bind, get_logger
+from apiary.shared.protocol import (DeviceState, Envelope, InferenceResult, MessageType, OtaCommand, ProtocolError,
                              SensorEvent, decode, encode, make, priority_for)
 
 log = get_logger(__name__)
@@ -86,7 +86,7 @@ class EdgeAgent:
 
     def __init__(self, settings: EdgeSettings, *, site: str, device: str, mqtt: MqttConfig,
                  model: LocalModel | None = None, state_dir: str | Path | None = None) -> None:
-        from shared.transport import MqttTransport
+        from apiary.shared.transport import MqttTransport
 
         topics.event(site, device)  # validates the names (TopicError)
         self.settings, self.site, self.device = settings, site, device
@@ -180,7 +180,7 @@ class EdgeAgent:
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
-        from shared.transport import TransportError
+        from apiary.shared.transport import TransportError
 
         while not self._stop.is_set():
             try:

@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from shared.topics import DEFAULT_SITE
+from apiary.shared.topics import DEFAULT_SITE
 
 # Help is plain text (rich_markup_mode=None here and in `apiary`), so "[mqtt]" prints as written.
 BROKER_HELP = "MQTT broker URL (mqtt://host:port); default: [mqtt] in the config, else mqtt://127.0.0.1:1883"
@@ -16,7 +16,7 @@ STYLE_HELP = ("prompt style the model is asked in: auto (the GGUF's apiary.promp
 
 
 def edge_app() -> typer.Typer:
-    """The edge commands (``apiary edge …``; ``python -m edge …`` runs them directly)."""
+    """The edge commands (``apiary edge …``; ``python -m apiary.edge …`` runs them directly)."""
     edge = typer.Typer(help="The edge agent: local INT4 model, escalation to the cloud, store-and-forward.",
                        no_args_is_help=True, pretty_exceptions_show_locals=False, rich_markup_mode=None)
     edge.command("run")(run)
@@ -42,13 +42,13 @@ def run(
     import signal
     import threading
 
-    from edge.agent import EdgeAgent
-    from edge.errors import EdgeError
-    from edge.settings import load
-    from shared.assets import AssetError
-    from shared.config import ConfigError, mqtt_settings
-    from shared.logs import configure
-    from shared.topics import TopicError
+    from apiary.edge.agent import EdgeAgent
+    from apiary.edge.errors import EdgeError
+    from apiary.edge.settings import load
+    from apiary.shared.assets import AssetError
+    from apiary.shared.config import ConfigError, mqtt_settings
+    from apiary.shared.logs import configure
+    from apiary.shared.topics import TopicError
 
     configure()
     stop = threading.Event()
@@ -82,13 +82,13 @@ def answer(
 
     from pydantic import ValidationError
 
-    from edge.errors import EdgeError
-    from edge.model import LocalModel
-    from edge.responder import Responder
-    from edge.settings import load
-    from shared.assets import AssetError
-    from shared.config import ConfigError
-    from shared.protocol import SensorEvent
+    from apiary.edge.errors import EdgeError
+    from apiary.edge.model import LocalModel
+    from apiary.edge.responder import Responder
+    from apiary.edge.settings import load
+    from apiary.shared.assets import AssetError
+    from apiary.shared.config import ConfigError
+    from apiary.shared.protocol import SensorEvent
 
     try:
         values = json.loads(readings)

@@ -1,8 +1,8 @@
-"""How sure the local model was: the shared rule (``shared.confidence``) applied to a llama.cpp generation.
+"""How sure the local model was: the shared rule (``apiary.shared.confidence``) applied to a llama.cpp generation.
 
 The rule itself (a low quantile, default p10, of the *choice* logprobs over the tokens
 of the decision fields' values, plus the entropy at the opposite quantile) lives in
-:mod:`shared.confidence`, so the cloud scores its answers the same way. Here a
+:mod:`apiary.shared.confidence`, so the cloud scores its answers the same way. Here a
 :class:`~edge.model.Generation` supplies its inputs: text, per-token byte offsets, choice
 logprobs, entropies of the allowed candidates (over the top-k the decoder checks) and the
 raw full-distribution logprobs.
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from edge.model import Generation
-from shared import confidence as shared_confidence
-from shared.confidence import DECISION_FIELDS, Confidence, field_value_spans
+from apiary.edge.model import Generation
+from apiary.shared import confidence as shared_confidence
+from apiary.shared.confidence import DECISION_FIELDS, Confidence, field_value_spans
 
 __all__ = ["DECISION_FIELDS", "Confidence", "field_value_spans", "measure", "token_mask"]
 

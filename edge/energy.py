@@ -17,7 +17,7 @@ import time
 from collections import deque
 from typing import Callable, Mapping
 
-from edge.settings import PowerProfile
+from apiary.edge.settings import PowerProfile
 
 EMA = 0.2  # weight of the newest inference in the joules-per-token average
 WINDOW_S = 3600.0

@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import Iterator
 
-from shared.protocol import DEFAULT_MAX_PAYLOAD, InferenceRequest, SensorEvent, encode, make
+from apiary.shared.protocol import DEFAULT_MAX_PAYLOAD, InferenceRequest, SensorEvent, encode, make
 
 MAX_REASON = 200  # characters of the escalation reason kept when even the reason has to be shortened
 

@@ -15,7 +15,7 @@ logprob: how sure the model is between the answers it may give) and that
 distribution's entropy. The prompt's longest common prefix with the previous prompt
 is kept in the KV cache, so the fixed system message is evaluated once.
 
-The prompt style the model is asked in (``shared.prompting.build_messages``) is the model's
+The prompt style the model is asked in (``apiary.shared.prompting.build_messages``) is the model's
 own: a task-tuned GGUF records it under ``apiary.prompt_style`` (``apiary quantize`` writes
 it), anything else reads the worked-examples prompt.
 """
@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from edge.errors import EdgeError
-from shared.protocol import ChatMessage
-from shared.prompting import ACTION_JSON_SCHEMA, PROMPT_STYLE_KEY, PROMPT_STYLES
+from apiary.edge.errors import EdgeError
+from apiary.shared.protocol import ChatMessage
+from apiary.shared.prompting import ACTION_JSON_SCHEMA, PROMPT_STYLE_KEY, PROMPT_STYLES
 
 if TYPE_CHECKING:
-    from edge.settings import EdgeSettings
+    from apiary.edge.settings import EdgeSettings
 
 def _never_swap_stdio() -> None:
     """Load models without llama-cpp-python's ``suppress_stdout_stderr``.

@@ -41,11 +41,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from shared import image, topics
-from shared.logs import get_logger
-from shared.protocol import OtaCommand, OtaStatus, SensorEvent, Severity, make
+from apiary.shared import image, topics
+from apiary.shared.logs import get_logger
+from apiary.shared.protocol import OtaCommand, OtaStatus, SensorEvent, Severity, make
 
-log = get_logger("edge.ota")
+log = get_logger("apiary.edge.ota")
 
 SLOTS = ("a", "b")
 BOOT_FILE = "boot.json"
@@ -213,7 +213,7 @@ PROBE_EVENT = SensorEvent(  # a plain heat-stress case, in the simulator's readi
 
 def probe_model(model_path: str | Path, *, max_tokens: int = 96, threads: int = 2, n_ctx: int = 2048) -> dict[str, Any]:
     """Load a model and answer the probe event with it (:func:`probe`)."""
-    from edge.model import LocalModel
+    from apiary.edge.model import LocalModel
 
     t0 = time.perf_counter()
     model = LocalModel(model_path, n_ctx=n_ctx, threads=threads)
@@ -224,9 +224,9 @@ def probe_model(model_path: str | Path, *, max_tokens: int = 96, threads: int = 
 
 
 def probe(model: Any, *, max_tokens: int = 96) -> dict[str, Any]:
-    """Answer the probe event the way the agent answers events (a loaded ``edge.model.LocalModel``, shared
+    """Answer the probe event the way the agent answers events (a loaded ``apiary.edge.model.LocalModel``, shared
     prompt in the model's own style, shared parser)."""
-    from shared.prompting import build_messages, parse_action
+    from apiary.shared.prompting import build_messages, parse_action
 
     t0 = time.perf_counter()
     gen = model.generate(build_messages(PROBE_EVENT, style=model.prompt_style), max_tokens=max_tokens)
@@ -265,7 +265,7 @@ class LlamaHealthCheck:
 
     def __call__(self, model_path: Path, manifest: image.Manifest) -> str:
         profile = manifest.power_profile
-        cmd = [sys.executable, "-m", "edge.ota", str(model_path), "--max-tokens", str(self.max_tokens),
+        cmd = [sys.executable, "-m", "apiary.edge.ota", str(model_path), "--max-tokens", str(self.max_tokens),
                "--n-ctx", str(int(profile.get("n_ctx", 2048))), "--threads", str(int(profile.get("threads", 2)))]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=self.budget_s)
@@ -531,7 +531,7 @@ def _default_client(timeout_s: float) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m edge.ota MODEL``: run the health probe once and print its result as one JSON line."""
+    """``python -m apiary.edge.ota MODEL``: run the health probe once and print its result as one JSON line."""
     import argparse
 
     p = argparse.ArgumentParser(description=main.__doc__)

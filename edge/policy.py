@@ -21,8 +21,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from edge.settings import PolicySettings
-from shared.protocol import SensorEvent, Severity
+from apiary.edge.settings import PolicySettings
+from apiary.shared.protocol import SensorEvent, Severity
 
 
 _CRITICAL = re.compile(r"(severity|kind|flag) .+ is critical")

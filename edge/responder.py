@@ -4,7 +4,7 @@ This is the agent's decision logic without MQTT or SQLite, so it can be tested a
 benchmarked on its own: given an event, its context and whether the link is up, it
 returns what to publish - a local final answer, an escalation request (with the local
 draft to fall back on), a deferral, or nothing for a routine reading. An escalation always
-fits the wire (``edge.fitting``): its context is trimmed to fit, and an event too large to
+fits the wire (``apiary.edge.fitting``): its context is trimmed to fit, and an event too large to
 escalate at all is answered locally with the reason.
 """
 from __future__ import annotations
@@ -14,16 +14,16 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
-from edge.confidence import Confidence, measure
-from edge import fitting
-from edge.energy import EnergyBudget
-from edge.errors import EdgeError
-from edge.model import Generation, LocalModel
-from edge.policy import Attempt, Decision, EscalationPolicy, Plan, Situation
-from edge.settings import EdgeSettings
-from edge.triage import needs_answer
-from shared.prompting import build_messages, parse_action
-from shared.protocol import (DEFAULT_MAX_PAYLOAD, EdgeAttempt, InferenceRequest, InferenceResult, SensorEvent,
+from apiary.edge.confidence import Confidence, measure
+from apiary.edge import fitting
+from apiary.edge.energy import EnergyBudget
+from apiary.edge.errors import EdgeError
+from apiary.edge.model import Generation, LocalModel
+from apiary.edge.policy import Attempt, Decision, EscalationPolicy, Plan, Situation
+from apiary.edge.settings import EdgeSettings
+from apiary.edge.triage import needs_answer
+from apiary.shared.prompting import build_messages, parse_action
+from apiary.shared.protocol import (DEFAULT_MAX_PAYLOAD, EdgeAttempt, InferenceRequest, InferenceResult, SensorEvent,
                              priority_for)
 
 Route = Literal["logged", "answered", "escalated", "deferred"]

@@ -1,6 +1,6 @@
 """The ``[edge]`` configuration section: model, policy, power profile, outbox limits.
 
-Read with ``shared.config.load_section("edge", EdgeSettings, path)``, so every key
+Read with ``apiary.shared.config.load_section("edge", EdgeSettings, path)``, so every key
 can be overridden from the environment, e.g. ``APIARY__EDGE__POLICY__MIN_CONFIDENCE=-2``.
 """
 from __future__ import annotations
@@ -10,9 +10,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from shared.config import load_section
-from shared.prompting import PROMPT_STYLES
-from shared.protocol import Severity
+from apiary.shared.config import load_section
+from apiary.shared.prompting import PROMPT_STYLES
+from apiary.shared.protocol import Severity
 
 
 class _Section(BaseModel):
@@ -153,16 +153,16 @@ class EdgeSettings(_Section):
         unpacked once; a registry model, pulled and hash-checked if missing)."""
         if self.model_path:
             return Path(self.model_path).expanduser()
-        from shared import assets
+        from apiary.shared import assets
 
         return assets.model_file(self.model_name)
 
     def resolve_ota_key(self) -> str | Path:
         """The key OTA images must be signed with: ``ota.public_key``, else the shipped release key
-        (its sha256 checked against the one recorded in ``shared.assets``)."""
+        (its sha256 checked against the one recorded in ``apiary.shared.assets``)."""
         if self.ota.public_key:
             return self.ota.public_key
-        from shared import assets
+        from apiary.shared import assets
 
         asset = assets.SHIPPED["edge-student"]
         path = assets.MODELS_DIR / asset.folder / assets.RELEASE_KEY_FILE

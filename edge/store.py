@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from edge.errors import EdgeError
+from apiary.edge.errors import EdgeError
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS inbox (

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from shared.protocol import SensorEvent, Severity
+from apiary.shared.protocol import SensorEvent, Severity
 
 WATCH_CONTEXT = 2  # earlier readings of the device that keep it watched when they were flagged
 

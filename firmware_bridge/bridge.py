@@ -22,17 +22,17 @@ import uuid
 from collections import deque
 from typing import Callable, Protocol
 
-from shared import topics
-from shared.config import MqttConfig
-from shared.logs import get_logger
-from shared.protocol import DeviceState, Envelope, SensorEvent, make
+from apiary.shared import topics
+from apiary.shared.config import MqttConfig
+from apiary.shared.logs import get_logger
+from apiary.shared.protocol import DeviceState, Envelope, SensorEvent, make
 
-from firmware_bridge.events import frame_to_event
-from firmware_bridge.frames import Frame
-from firmware_bridge.sequence import SequenceTracker, Verdict
-from firmware_bridge.settings import BridgeSettings
-from firmware_bridge.store import BridgeStore
-from firmware_bridge.stream import StreamReader
+from apiary.firmware_bridge.events import frame_to_event
+from apiary.firmware_bridge.frames import Frame
+from apiary.firmware_bridge.sequence import SequenceTracker, Verdict
+from apiary.firmware_bridge.settings import BridgeSettings
+from apiary.firmware_bridge.store import BridgeStore
+from apiary.firmware_bridge.stream import StreamReader
 
 log = get_logger(__name__)
 
@@ -43,7 +43,7 @@ Queued = tuple[Frame, float, float, "int | None"]  # frame, received (monotonic)
 
 
 class Publisher(Protocol):
-    """What the bridge needs from ``shared.transport.MqttTransport``."""
+    """What the bridge needs from ``apiary.shared.transport.MqttTransport``."""
 
     @property
     def connected(self) -> bool: ...
@@ -370,7 +370,7 @@ def open_store(settings: BridgeSettings) -> BridgeStore | None:
 def connect(settings: BridgeSettings, mqtt: MqttConfig, *, truth_lookup: TruthLookup | None = None,
             timeout: float = 10.0) -> Bridge:
     """A started bridge on a live MQTT link (persistent session, Last Will set)."""
-    from shared.transport import MqttTransport
+    from apiary.shared.transport import MqttTransport
 
     session = int(time.time())
     transport = MqttTransport(mqtt, client_id=f"apiary-bridge-{settings.name}", persistent=True,

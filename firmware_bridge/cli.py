@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 import typer
 
-from shared.topics import DEFAULT_SITE
+from apiary.shared.topics import DEFAULT_SITE
 
 BROKER_HELP = "MQTT broker URL (mqtt://host:port) [from [mqtt] in the config, else mqtt://127.0.0.1:1883]"
 CONFIG_HELP = "apiary TOML config ([bridge] and [mqtt] sections); also $APIARY_CONFIG"
@@ -33,11 +33,11 @@ def register(app: typer.Typer) -> None:
 
 def _start_bridge(config: Optional[Path], broker: Optional[str], name: Optional[str], site: Optional[str],
                   role: str, truth_lookup: Any = None) -> Any:
-    from firmware_bridge.bridge import connect
-    from firmware_bridge.settings import load_settings
-    from shared.config import ConfigError, mqtt_settings
-    from shared.logs import configure
-    from shared.transport import TransportError
+    from apiary.firmware_bridge.bridge import connect
+    from apiary.firmware_bridge.settings import load_settings
+    from apiary.shared.config import ConfigError, mqtt_settings
+    from apiary.shared.logs import configure
+    from apiary.shared.transport import TransportError
 
     configure()
     try:
@@ -61,7 +61,7 @@ def _run_until_signal(bridge: Any, target: Any, *args: Any) -> None:
     import signal
     import threading
 
-    from firmware_bridge.errors import BridgeError
+    from apiary.firmware_bridge.errors import BridgeError
 
     stop = threading.Event()
     failure: list[BaseException] = []
@@ -99,8 +99,8 @@ def serial(
     config: Optional[Path] = typer.Option(None, help=CONFIG_HELP),
 ) -> None:
     """Bridge a serial line (firmware writing frames over UART) until Ctrl-C."""
-    from firmware_bridge.errors import BridgeError
-    from firmware_bridge.sources import open_serial, run_serial
+    from apiary.firmware_bridge.errors import BridgeError
+    from apiary.firmware_bridge.sources import open_serial, run_serial
 
     try:
         line = open_serial(port, baud)
@@ -121,8 +121,8 @@ def udp(
     config: Optional[Path] = typer.Option(None, help=CONFIG_HELP),
 ) -> None:
     """Bridge UDP datagrams (each one or more whole frames, e.g. from a LoRa/Wi-Fi gateway) until Ctrl-C."""
-    from firmware_bridge.errors import BridgeError
-    from firmware_bridge.sources import open_udp, run_udp
+    from apiary.firmware_bridge.errors import BridgeError
+    from apiary.firmware_bridge.sources import open_udp, run_udp
 
     try:
         sock = open_udp(host, port)
@@ -146,8 +146,8 @@ def replay(
     """Publish every frame of a capture file, print the counters, exit (non-zero if events were lost)."""
     import json
 
-    from firmware_bridge.errors import BridgeError
-    from firmware_bridge.sources import run_replay
+    from apiary.firmware_bridge.errors import BridgeError
+    from apiary.firmware_bridge.sources import run_replay
 
     if not capture.is_file():
         typer.echo(f"error: capture file not found: {capture}", err=True)
@@ -171,7 +171,7 @@ def replay(
 
 def _parse_inject(spec: str) -> tuple[str, int, float]:
     """``KIND:DEVICE@HOURS`` (hours after the simulation start) -> (kind, device id, hours)."""
-    from firmware_bridge.errors import BridgeError
+    from apiary.firmware_bridge.errors import BridgeError
 
     try:
         kind, rest = spec.split(":", 1)
@@ -211,8 +211,8 @@ def simulate_run(
     import threading
     import time
 
-    from firmware_bridge.errors import BridgeError
-    from firmware_bridge.simulator import DAY, HOUR, Fleet, PtySink, UdpSink, emit
+    from apiary.firmware_bridge.errors import BridgeError
+    from apiary.firmware_bridge.simulator import DAY, HOUR, Fleet, PtySink, UdpSink, emit
 
     sinks = [s for s in (udp, pty or None, serial, out, broker) if s]
     if len(sinks) != 1:
@@ -264,12 +264,12 @@ def simulate_run(
             sink = capture.write
             closers.append(capture.close)
         else:
-            from firmware_bridge.bridge import connect
-            from firmware_bridge.settings import BridgeSettings
-            from shared.config import MqttConfig
-            from shared.logs import configure
+            from apiary.firmware_bridge.bridge import connect
+            from apiary.firmware_bridge.settings import BridgeSettings
+            from apiary.shared.config import MqttConfig
+            from apiary.shared.logs import configure
 
-            from firmware_bridge.settings import default_name
+            from apiary.firmware_bridge.settings import default_name
 
             configure()
             # Each hive on its own site (site-0, site-1, …), as the demo maps them; the client id is this host's
@@ -318,8 +318,8 @@ def simulate_situations(
     import json
     import sys
 
-    from firmware_bridge.errors import BridgeError
-    from firmware_bridge.simulator import labelled_situations
+    from apiary.firmware_bridge.errors import BridgeError
+    from apiary.firmware_bridge.simulator import labelled_situations
 
     try:
         situations = labelled_situations(n, seed, context=context)

@@ -8,10 +8,10 @@ from __future__ import annotations
 import time
 from typing import Mapping
 
-from shared.protocol import SensorEvent
+from apiary.shared.protocol import SensorEvent
 
-from firmware_bridge.frames import Frame
-from firmware_bridge.thresholds import DEFAULT_THRESHOLDS, Thresholds, assess
+from apiary.firmware_bridge.frames import Frame
+from apiary.firmware_bridge.thresholds import DEFAULT_THRESHOLDS, Thresholds, assess
 
 
 def frame_to_event(frame: Frame, *, site: str, node: str, previous: tuple[float, Mapping[str, float]] | None = None,

@@ -27,7 +27,7 @@ import struct
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from firmware_bridge.errors import FrameError
+from apiary.firmware_bridge.errors import FrameError
 
 MAGIC = b"\xbe\xe5"
 VERSION = 1

@@ -20,11 +20,11 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from shared.config import load_section
-from shared.hostname import host_name
-from shared.topics import DEFAULT_SITE
+from apiary.shared.config import load_section
+from apiary.shared.hostname import host_name
+from apiary.shared.topics import DEFAULT_SITE
 
-from firmware_bridge.thresholds import Thresholds
+from apiary.firmware_bridge.thresholds import Thresholds
 
 DEFAULT_STATE_DIR = ".apiary/bridge"
 DURABLE_ROLES = ("serial", "udp")  # a capture file is replayed on purpose, so `replay` keeps no windows by default
@@ -69,7 +69,7 @@ def load_settings(path: str | Path | None = None, *, environ: dict[str, str] | N
     """``[bridge]`` from the config file, then ``APIARY__BRIDGE__*`` variables (``environ``, default
     ``os.environ``), then ``explicit`` (``None`` values ignored); a name set by none of them is
     ``default_name(role)`` when a ``role`` is given, and ``state_dir`` set by none of them is
-    ``DEFAULT_STATE_DIR`` for the serial and UDP roles. Raises ``shared.config.ConfigError``."""
+    ``DEFAULT_STATE_DIR`` for the serial and UDP roles. Raises ``apiary.shared.config.ConfigError``."""
     settings = load_section("bridge", BridgeSettings, path, environ=environ, **explicit)
     update: dict[str, Any] = {}
     if role is not None and "name" not in settings.model_fields_set:

@@ -38,13 +38,13 @@ import tty
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Mapping
 
-from shared.protocol import ASSESSMENTS, SensorEvent
+from apiary.shared.protocol import ASSESSMENTS, SensorEvent
 
-from firmware_bridge.errors import BridgeError
-from firmware_bridge.events import frame_to_event
-from firmware_bridge.frames import decode_frame, encode_frame
-from firmware_bridge.settings import BridgeSettings
-from firmware_bridge.thresholds import DEFAULT_THRESHOLDS
+from apiary.firmware_bridge.errors import BridgeError
+from apiary.firmware_bridge.events import frame_to_event
+from apiary.firmware_bridge.frames import decode_frame, encode_frame
+from apiary.firmware_bridge.settings import BridgeSettings
+from apiary.firmware_bridge.thresholds import DEFAULT_THRESHOLDS
 
 ANOMALIES: tuple[str, ...] = tuple(a for a in ASSESSMENTS if a != "normal")
 DEFAULT_START = calendar.timegm((2025, 6, 14, 0, 0, 0))  # a midsummer midnight, sim time (UTC = local solar)

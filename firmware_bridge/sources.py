@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shared.logs import get_logger
+from apiary.shared.logs import get_logger
 
-from firmware_bridge.bridge import Bridge
-from firmware_bridge.errors import BridgeError
+from apiary.firmware_bridge.bridge import Bridge
+from apiary.firmware_bridge.errors import BridgeError
 
 if TYPE_CHECKING:
     import serial

@@ -1,7 +1,7 @@
 """What the bridge must not forget across restarts, in one SQLite file (WAL).
 
 * **devices** - each device's sequence window and boot counter
-  (:class:`firmware_bridge.sequence.SequenceTracker` rows), written in the same transaction
+  (:class:`apiary.firmware_bridge.sequence.SequenceTracker` rows), written in the same transaction
   as the frames they let in, so a frame replayed after a restart is still a replay.
 * **spill** - frames past the bridge's memory buffer, oldest first. A row leaves only once its
   event was handed to MQTT, so frames spilled while the broker was away survive a crash or a
@@ -21,9 +21,9 @@ from typing import Iterable
 
 import msgpack
 
-from firmware_bridge.errors import BridgeError
-from firmware_bridge.frames import Frame
-from firmware_bridge.sequence import DeviceRow
+from apiary.firmware_bridge.errors import BridgeError
+from apiary.firmware_bridge.frames import Frame
+from apiary.firmware_bridge.sequence import DeviceRow
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS devices (

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from firmware_bridge import frames as F
-from firmware_bridge.errors import FrameError
+from apiary.firmware_bridge import frames as F
+from apiary.firmware_bridge.errors import FrameError
 
 _MAGIC0 = F.MAGIC[0]
 

@@ -18,9 +18,9 @@ from typing import Any, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from shared.protocol import Severity
+from apiary.shared.protocol import Severity
 
-from firmware_bridge.frames import READING_NAMES
+from apiary.firmware_bridge.frames import READING_NAMES
 
 _RANK = {Severity.INFO: 0, Severity.WARNING: 1, Severity.CRITICAL: 2}
 _SEVERITY = {v: k for k, v in _RANK.items()}

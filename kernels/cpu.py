@@ -3,11 +3,11 @@
 Why: the machines this runs on differ from day to day (AVX-512 with bf16 and AMX one day, AVX2 +
 FMA only the next; docs/benchmarks.md). Where the CPU has no bf16 instructions, oneDNN emulates
 bf16 matmuls and they run slower than float32 (decode steps 0.55-0.60 s vs 0.30 s measured on an
-AVX2 host), and the prepacked bf16 weights of ``cloud.engine.linear`` are not available. So the
+AVX2 host), and the prepacked bf16 weights of ``apiary.cloud.engine.linear`` are not available. So the
 engine picks its dtype from the flags found here, tests skip what the host cannot do (naming the
 missing feature), and every benchmark prints the features. Everything takes the flags as an
 argument, so the decisions are testable for any CPU; ``host_flags()`` reads this machine's.
-No torch import here: ``bench.common`` uses this for every benchmark.
+No torch import here: ``apiary.bench.common`` uses this for every benchmark.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_support import device_guard, next_pow2
+from apiary.kernels.triton_support import device_guard, next_pow2
 
 
 @triton.jit
@@ -32,7 +32,7 @@ def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """See ``kernels.ops.write_kv``."""
+    """See ``apiary.kernels.ops.write_kv``."""
     key = key if key.stride(-1) == 1 else key.contiguous()
     value = value if value.stride(-1) == 1 else value.contiguous()
     num_tokens, num_kv_heads, head_dim = key.shape

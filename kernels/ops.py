@@ -1,10 +1,10 @@
 """The one kernel interface the engine calls: checks inputs, then dispatches to Triton or torch.
 
 ``auto`` (the default) runs the Triton kernels on CUDA tensors and the torch references
-(``kernels.reference``) everywhere else. ``set_backend("torch"|"triton")`` or the env var
+(``apiary.kernels.reference``) everywhere else. ``set_backend("torch"|"triton")`` or the env var
 ``APIARY_KERNELS=torch|triton`` forces one; forcing Triton on CPU tensors works only under the
 Triton interpreter (``TRITON_INTERPRET=1``), which is how the kernels are tested without a GPU.
-Every bad input raises ``kernels.errors.KernelError``. Checks look at shapes, dtypes and devices
+Every bad input raises ``apiary.kernels.errors.KernelError``. Checks look at shapes, dtypes and devices
 only, never at tensor values, so they cost no device synchronisation.
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ from types import ModuleType
 
 import torch
 
-from kernels import reference
-from kernels.errors import KernelError
+from apiary.kernels import reference
+from apiary.kernels.errors import KernelError
 
 BACKENDS = ("auto", "torch", "triton")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -70,8 +70,8 @@ def resolve_backend(device: torch.device) -> str:
 
 def _triton(module: str, device: torch.device) -> ModuleType:
     """Import a Triton kernel module; CPU tensors need it to have been imported in interpreter mode."""
-    loaded = importlib.import_module(f"kernels.{module}")
-    if device.type != "cuda" and not importlib.import_module("kernels.triton_support").INTERPRETED:
+    loaded = importlib.import_module(f"apiary.kernels.{module}")
+    if device.type != "cuda" and not importlib.import_module("apiary.kernels.triton_support").INTERPRETED:
         raise KernelError("the Triton kernels were imported compiled (TRITON_INTERPRET unset at import), so they "
                           "cannot run on CPU tensors; set TRITON_INTERPRET=1 before the first kernel call")
     return loaded

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_support import device_guard, dot_needs_fp32, next_pow2
+from apiary.kernels.triton_support import device_guard, dot_needs_fp32, next_pow2
 
 LOG2E = 1.4426950408889634
 DECODE_BLOCK_N = 64  # tokens per K/V tile
@@ -221,7 +221,7 @@ def decode_num_splits(max_blocks_per_seq: int, block_size: int, partition_size: 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
                            partition_size: int = DECODE_PARTITION) -> torch.Tensor:
-    """See ``kernels.ops.paged_decode_attention``; ``partition_size`` sets the split-K granularity."""
+    """See ``apiary.kernels.ops.paged_decode_attention``; ``partition_size`` sets the split-K granularity."""
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -258,7 +258,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float,
                             sliding_window: int | None = None) -> torch.Tensor:
-    """See ``kernels.ops.paged_prefill_attention``.
+    """See ``apiary.kernels.ops.paged_prefill_attention``.
 
     Programs are laid out as ``T // BLOCK_Q + B`` query tiles (an upper bound computed from shapes);
     tile ``i`` belongs to the last sequence whose first tile ``cu[b] // BLOCK_Q + b`` is <= i, found

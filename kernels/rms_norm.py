@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_support import device_guard, next_pow2
+from apiary.kernels.triton_support import device_guard, next_pow2
 
 
 @triton.jit
@@ -33,7 +33,7 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """See ``kernels.ops.rms_norm``."""
+    """See ``apiary.kernels.ops.rms_norm``."""
     hidden = x.shape[-1]
     x2 = x.reshape(-1, hidden)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()

@@ -145,7 +145,7 @@ def edge_model(name: str) -> Path:
     """
     import fcntl
 
-    from shared import image
+    from apiary.shared import image
 
     asset = SHIPPED.get(name)
     if asset is not None and asset.kind != "edge-image":

@@ -5,7 +5,7 @@ for bursts) and runs Debian's ``mosquitto`` on a loopback port; tests and produc
 the same file. ``EmbeddedBroker`` runs ``amqtt`` in a background thread, bound to
 loopback: the zero-install default for ``apiary broker`` and ``apiary demo``. amqtt speaks
 MQTT 3.1.1 only and has no shared subscriptions; the transport adapts to both (see
-:mod:`shared.transport`).
+:mod:`apiary.shared.transport`).
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ import weakref
 from pathlib import Path
 from typing import Any, Callable
 
-from shared.config import MqttConfig
-from shared.logs import get_logger
+from apiary.shared.config import MqttConfig
+from apiary.shared.logs import get_logger
 
 log = get_logger(__name__)
 
@@ -338,7 +338,7 @@ def _amqtt_classes() -> tuple[type, type]:
 
 
 def __getattr__(name: str) -> Any:
-    # amqtt loads plugins by dotted path ("shared.brokers.OpenAuthPlugin").
+    # amqtt loads plugins by dotted path ("apiary.shared.brokers.OpenAuthPlugin").
     if name == "OpenAuthPlugin":
         return _amqtt_classes()[0]
     raise AttributeError(name)

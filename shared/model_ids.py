@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import PurePath
 
-from shared.assets import REGISTRY
+from apiary.shared.assets import REGISTRY
 
 MODEL_SUFFIXES = (".gguf", ".safetensors")
 

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 from pydantic import ValidationError
 
-from shared.protocol import Action, ChatMessage, SensorEvent
+from apiary.shared.protocol import Action, ChatMessage, SensorEvent
 
 # The one schema of an answer, derived from shared.protocol.Action (its fields, enums and limits),
 # with what a generator needs on top: generation order and tighter lengths.

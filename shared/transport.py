@@ -47,9 +47,9 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-from shared.config import MqttConfig
-from shared.logs import get_logger
-from shared.protocol import Body, Envelope, ProtocolError, decode, encode, make
+from apiary.shared.config import MqttConfig
+from apiary.shared.logs import get_logger
+from apiary.shared.protocol import Body, Envelope, ProtocolError, decode, encode, make
 
 log = get_logger(__name__)
 

@@ -6,8 +6,8 @@ from typing import Iterator
 
 import pytest
 
-from shared import assets
-from shared.brokers import EmbeddedBroker, MosquittoBroker
+from apiary.shared import assets
+from apiary.shared.brokers import EmbeddedBroker, MosquittoBroker
 from tests.shared.helpers import AclBroker
 
 

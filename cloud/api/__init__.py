@@ -1,4 +1,4 @@
 """The cloud's HTTP API (FastAPI): OpenAI-compatible inference plus the operator endpoints."""
-from cloud.api.app import AppContext, create_app
+from apiary.cloud.api.app import AppContext, create_app
 
 __all__ = ["AppContext", "create_app"]

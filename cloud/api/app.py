@@ -1,7 +1,7 @@
 """The FastAPI application: inference, operator, images, health and metrics on one app.
 
 The app holds no state of its own: everything lives in :class:`AppContext` (engine,
-store, keys, metrics, broker link), built by :class:`cloud.service.CloudService`, so a
+store, keys, metrics, broker link), built by :class:`apiary.cloud.service.CloudService`, so a
 test can build an app around any context and replicas differ only in their engine.
 """
 from __future__ import annotations
@@ -15,17 +15,17 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
-from cloud.api import errors
-from cloud.api.fleet import FILENAME_PATTERN, router as fleet_router, safe_image_path
-from cloud.api.health import Lifecycle, liveness
-from cloud.api.inference import router as inference_router
-from cloud.api.rollouts import router as rollouts_router
-from cloud.api.schemas import ErrorResponse
-from cloud.api.security import BodyLimit, HttpMetrics
-from cloud.auth import KeyRing
-from cloud.metrics import CONTENT_TYPE, Metrics
-from cloud.settings import CloudSettings
-from cloud.store import Store
+from apiary.cloud.api import errors
+from apiary.cloud.api.fleet import FILENAME_PATTERN, router as fleet_router, safe_image_path
+from apiary.cloud.api.health import Lifecycle, liveness
+from apiary.cloud.api.inference import router as inference_router
+from apiary.cloud.api.rollouts import router as rollouts_router
+from apiary.cloud.api.schemas import ErrorResponse
+from apiary.cloud.api.security import BodyLimit, HttpMetrics
+from apiary.cloud.auth import KeyRing
+from apiary.cloud.metrics import CONTENT_TYPE, Metrics
+from apiary.cloud.settings import CloudSettings
+from apiary.cloud.store import Store
 
 DESCRIPTION = """Apiary Mesh cloud tier.
 

@@ -17,11 +17,11 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
-from shared.logs import get_logger
+from apiary.shared.logs import get_logger
 
-from cloud.api.schemas import ErrorResponse
+from apiary.cloud.api.schemas import ErrorResponse
 
-_log = get_logger("cloud.api")
+_log = get_logger("apiary.cloud.api")
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 409: "invalid_request_error", 413: "request_too_large",
@@ -111,7 +111,7 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
 
 
 def install(app: FastAPI) -> None:
-    from cloud.engine import EngineError, EngineOverloaded, RequestRejected
+    from apiary.cloud.engine import EngineError, EngineOverloaded, RequestRejected
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -16,20 +16,20 @@ from fastapi import APIRouter, Depends, Path as PathParam, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from shared.logs import get_logger
-from shared.protocol import Assessment, OtaCommand
+from apiary.shared.logs import get_logger
+from apiary.shared.protocol import Assessment, OtaCommand
 
-from cloud.api.errors import ERROR_RESPONSES
-from cloud.api.schemas import ErrorResponse
-from cloud.api.security import require
-from cloud.auth import ApiKey
-from cloud.rollouts import publish_command
+from apiary.cloud.api.errors import ERROR_RESPONSES
+from apiary.cloud.api.schemas import ErrorResponse
+from apiary.cloud.api.security import require
+from apiary.cloud.auth import ApiKey
+from apiary.cloud.rollouts import publish_command
 
 # one dependency object, so a route that needs the caller's key gets the router's check (run once)
 operator = require("operator")
 router = APIRouter(prefix="/v1/fleet", tags=["operator"], dependencies=[Depends(operator)],
                    responses=ERROR_RESPONSES)
-_log = get_logger("cloud.api.fleet")
+_log = get_logger("apiary.cloud.api.fleet")
 
 NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 FILENAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$"

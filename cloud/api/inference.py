@@ -25,16 +25,16 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from shared.logs import get_logger
+from apiary.shared.logs import get_logger
 
-from cloud.api.errors import ERROR_RESPONSES, InvalidParam, ModelNotFound, OpenAIRoute, error_body
-from cloud.api.logprobs import chat_logprobs, completion_logprobs
-from cloud.api.schemas import (ChatChoice, ChatCompletion, ChatCompletionRequest, ChatLogprobs, ChatMessageOut,
+from apiary.cloud.api.errors import ERROR_RESPONSES, InvalidParam, ModelNotFound, OpenAIRoute, error_body
+from apiary.cloud.api.logprobs import chat_logprobs, completion_logprobs
+from apiary.cloud.api.schemas import (ChatChoice, ChatCompletion, ChatCompletionRequest, ChatLogprobs, ChatMessageOut,
                                Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, ErrorResponse,
                                ModelCard, ModelList, PromptTokensDetails, Usage, _Request, ignored_fields)
-from cloud.api.security import require
+from apiary.cloud.api.security import require
 
-_log = get_logger("cloud.api.inference")
+_log = get_logger("apiary.cloud.api.inference")
 router = APIRouter(tags=["inference"], dependencies=[Depends(require("inference"))], route_class=OpenAIRoute)
 
 ENGINE_RESPONSES = {
@@ -120,7 +120,7 @@ def _max_tokens(ctx, body: _Request, prompt_len: int, chat: bool) -> int:
 
 def _structured(body: _Request) -> tuple[str, Any] | None:
     """The one output constraint of ``response_format`` or vLLM's ``guided_*`` fields: (field, StructuredOutput)."""
-    from cloud.engine.sampling_params import StructuredOutput
+    from apiary.cloud.engine.sampling_params import StructuredOutput
 
     fmt = body.response_format
     given = [(name, value) for name, value in (
@@ -175,7 +175,7 @@ def _refuse_unsupported(body: _Request) -> None:
 
 def _sampling_params(body: _Request, max_tokens: int, structured: tuple[str, Any] | None) -> list:
     """One SamplingParams per choice (choice i: seed + i); a 400 naming the field the engine refuses."""
-    from cloud.engine import RequestRejected, SamplingParams
+    from apiary.cloud.engine import RequestRejected, SamplingParams
 
     common = dict(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k),
                   stop=list(body.stop or []), stop_token_ids=list(body.stop_token_ids or []),
@@ -274,7 +274,7 @@ async def _first_outputs(streams: list[AsyncIterator]) -> list[Any]:
 async def _start(request: Request, body: _Request, *, kind: str, prompt: Any = None,
                  messages: list[dict] | None = None) -> _Job:
     """Tokenize once, submit the n choices and wait (disconnect-aware) for their first outputs."""
-    from cloud.engine import RequestRejected
+    from apiary.cloud.engine import RequestRejected
 
     ctx = request.app.state.ctx
     _check_model(ctx, body.model)

@@ -47,7 +47,7 @@ def _value(logprob: float) -> float:
 
 
 def chat_logprobs(tokenizer: Any, logprobs: Iterable[Any]) -> list[dict[str, Any]]:
-    """``choices[].logprobs.content`` for ``cloud.engine.sampling.TokenLogprob`` items."""
+    """``choices[].logprobs.content`` for ``apiary.cloud.engine.sampling.TokenLogprob`` items."""
     content = []
     for lp in logprobs:
         text, raw = token_text(tokenizer, lp.token_id)

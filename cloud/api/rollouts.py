@@ -9,12 +9,12 @@ from fastapi import APIRouter, Depends, Path as PathParam, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException
 
-from cloud import rollouts
-from cloud.api.errors import ERROR_RESPONSES
-from cloud.api.fleet import FILENAME_PATTERN, NAME_PATTERN, image_url, operator, safe_image_path
-from cloud.api.schemas import ErrorResponse
-from cloud.auth import ApiKey
-from cloud.errors import CloudError
+from apiary.cloud import rollouts
+from apiary.cloud.api.errors import ERROR_RESPONSES
+from apiary.cloud.api.fleet import FILENAME_PATTERN, NAME_PATTERN, image_url, operator, safe_image_path
+from apiary.cloud.api.schemas import ErrorResponse
+from apiary.cloud.auth import ApiKey
+from apiary.cloud.errors import CloudError
 
 router = APIRouter(prefix="/v1/fleet/rollouts", tags=["operator"], dependencies=[Depends(operator)],
                    responses=ERROR_RESPONSES)

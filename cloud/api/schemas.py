@@ -15,7 +15,7 @@ Unknown fields are kept aside (``model_extra``), reported as ignored (a log line
 does; known fields keep their types and ranges. A ``null`` for a field with a default
 means the default, as in OpenAI's API. Rules between fields (``top_logprobs`` needs
 ``logprobs``, one structured-output constraint at a time) are checked where the engine's
-parameters are built, ``cloud.api.inference``.
+parameters are built, ``apiary.cloud.api.inference``.
 """
 from __future__ import annotations
 

@@ -14,8 +14,8 @@ from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBea
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cloud.api.errors import BodyTooLarge, error_body
-from cloud.auth import ApiKey
+from apiary.cloud.api.errors import BodyTooLarge, error_body
+from apiary.cloud.auth import ApiKey
 
 _bearer = HTTPBearer(auto_error=False, description="API key as a bearer token")
 _header = APIKeyHeader(name="X-API-Key", auto_error=False, description="API key header")

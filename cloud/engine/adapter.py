@@ -4,7 +4,7 @@ An adapter is a folder with ``adapter_config.json`` (rank, alpha, target weights
 model's identity, the prompt style it was tuned for) and ``adapter.safetensors`` holding
 ``<weight name>.lora_A`` ``[r, in]`` and ``<weight name>.lora_B`` ``[out, r]`` per target,
 under the engine's Hugging Face weight names (GGUF q/k already un-permuted, which is the
-layout ``deploy.student.LlamaForTraining`` trains in). Merging adds ``alpha / r * B @ A``.
+layout ``apiary.deploy.student.LlamaForTraining`` trains in). Merging adds ``alpha / r * B @ A``.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from cloud.engine.errors import EngineError
+from apiary.cloud.engine.errors import EngineError
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter.safetensors"

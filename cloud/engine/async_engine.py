@@ -19,11 +19,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
-from cloud.engine.errors import EngineError
-from cloud.engine.llm_engine import LLMEngine
-from cloud.engine.outputs import RequestOutput
-from cloud.engine.sampling_params import SamplingParams
-from cloud.engine.tokenizer import Tokenizer
+from apiary.cloud.engine.errors import EngineError
+from apiary.cloud.engine.llm_engine import LLMEngine
+from apiary.cloud.engine.outputs import RequestOutput
+from apiary.cloud.engine.sampling_params import SamplingParams
+from apiary.cloud.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

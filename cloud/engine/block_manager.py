@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from cloud.engine.sequence import Sequence
+from apiary.cloud.engine.sequence import Sequence
 
 ROOT_HASH = 0x5EED  # parent hash of a sequence's first block
 

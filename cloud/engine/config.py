@@ -5,8 +5,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from cloud.engine.errors import EngineError
-from cloud.engine.spec.config import SpeculativeConfig
+from apiary.cloud.engine.errors import EngineError
+from apiary.cloud.engine.spec.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 

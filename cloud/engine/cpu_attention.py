@@ -1,6 +1,6 @@
 """Paged decode attention for CPUs, compiled with numba: reads each cached K/V row once.
 
-Why: the torch reference (``kernels.reference``) gathers every sequence's K/V into a padded
+Why: the torch reference (``apiary.kernels.reference``) gathers every sequence's K/V into a padded
 copy and then runs two batched matmuls over it: the whole cache is read, written, and read
 again, padding included. On the 2-core dev machine a 63-sequence decode step spent ~40% of its
 time there. This kernel walks each sequence's block table instead, and keeps scores, softmax
@@ -13,11 +13,11 @@ CPU backend, ``kernels/`` holds only torch and Triton code, and a C++ extension 
 compiler wherever the engine runs. numba compiles through its bundled LLVM (no toolchain) and
 caches the machine code next to this file, so only the first process pays the ~3 s compile.
 
-Semantics are ``kernels.ops.paged_decode_attention``'s: caches ``[num_blocks, block_size, Hkv,
+Semantics are ``apiary.kernels.ops.paged_decode_attention``'s: caches ``[num_blocks, block_size, Hkv,
 D]``, query head ``h`` reads KV head ``h // (Hq // Hkv)``, a sequence sees its
 ``context_lens[b]`` cached tokens (only the last ``sliding_window`` of them with a window), and
 a sequence with no tokens yields zeros. bfloat16 and float32 caches are supported; anything
-else (or a CUDA tensor) is the caller's to route to ``kernels.ops``.
+else (or a CUDA tensor) is the caller's to route to ``apiary.kernels.ops``.
 """
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ until they cannot start a stop string, so a stream never shows text that is late
 """
 from __future__ import annotations
 
-from cloud.engine.sequence import Sequence
-from cloud.engine.tokenizer import Tokenizer
+from apiary.cloud.engine.sequence import Sequence
+from apiary.cloud.engine.tokenizer import Tokenizer
 
 CONTEXT_TOKENS = 5  # prompt tokens decoded alongside so the first output token gets correct spacing
 

@@ -7,7 +7,7 @@ batch sizes decoding runs (1-64 rows), ~1.1x on 1,024-row prefill chunks, with b
 results. float32 goes through MKL, where packing measured no gain, and CUDA needs none: there
 ``Linear`` is plain ``F.linear``. The packing ops are internal to torch, so their absence or any
 mismatch on a probe input falls back to ``F.linear``. So does a CPU without native bf16
-(``kernels.cpu.native_bf16``: avx512_bf16 or amx_bf16): there oneDNN emulates bf16, packing is
+(``apiary.kernels.cpu.native_bf16``: avx512_bf16 or amx_bf16): there oneDNN emulates bf16, packing is
 not the speed path (the engine's ``auto`` dtype is float32 there), and the probe does not match.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu
+from apiary.kernels import cpu
 
 
 def _pack(weight: torch.Tensor, bias: torch.Tensor | None, flags: Iterable[str] | None) -> torch.Tensor | None:
@@ -49,7 +49,7 @@ class Linear:
 
     @classmethod
     def of(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, flags: Iterable[str] | None = None) -> Linear:
-        """``flags``: the CPU's features (default: this host's, ``kernels.cpu.host_flags``)."""
+        """``flags``: the CPU's features (default: this host's, ``apiary.kernels.cpu.host_flags``)."""
         return cls(weight, bias, _pack(weight, bias, flags))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -14,23 +14,23 @@ from typing import Any, Callable, Sequence as Seq
 
 import torch
 
-from cloud.engine import adapter, detokenizer
-from cloud.engine.block_manager import BlockManager
-from cloud.engine.config import EngineConfig
-from cloud.engine.errors import EngineError, EngineOverloaded, RequestRejected, StepInterrupted
-from cloud.engine.loader import Checkpoint, load_checkpoint
-from cloud.engine.metrics import EngineStats
-from cloud.engine.model_runner import ModelRunner
-from cloud.engine.outputs import RequestMetrics, RequestOutput
-from cloud.engine import sampling
-from cloud.engine.sampling import Row, TokenLogprob
-from cloud.engine.sampling_params import SamplingParams
-from cloud.engine.scheduler import ScheduledBatch, Scheduler, SpeculationHooks
-from cloud.engine.sequence import Sequence, SequenceStatus
-from cloud.engine.spec.draft import DraftProposer, parameter_count
-from cloud.engine.spec.speculator import SpecPlan, Speculator
-from cloud.engine.structured import StructuredOutputs
-from cloud.engine.tokenizer import load_tokenizer
+from apiary.cloud.engine import adapter, detokenizer
+from apiary.cloud.engine.block_manager import BlockManager
+from apiary.cloud.engine.config import EngineConfig
+from apiary.cloud.engine.errors import EngineError, EngineOverloaded, RequestRejected, StepInterrupted
+from apiary.cloud.engine.loader import Checkpoint, load_checkpoint
+from apiary.cloud.engine.metrics import EngineStats
+from apiary.cloud.engine.model_runner import ModelRunner
+from apiary.cloud.engine.outputs import RequestMetrics, RequestOutput
+from apiary.cloud.engine import sampling
+from apiary.cloud.engine.sampling import Row, TokenLogprob
+from apiary.cloud.engine.sampling_params import SamplingParams
+from apiary.cloud.engine.scheduler import ScheduledBatch, Scheduler, SpeculationHooks
+from apiary.cloud.engine.sequence import Sequence, SequenceStatus
+from apiary.cloud.engine.spec.draft import DraftProposer, parameter_count
+from apiary.cloud.engine.spec.speculator import SpecPlan, Speculator
+from apiary.cloud.engine.structured import StructuredOutputs
+from apiary.cloud.engine.tokenizer import load_tokenizer
 
 
 class LLMEngine:

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from cloud.engine.config import ModelConfig
-from cloud.engine.errors import EngineError
+from apiary.cloud.engine.config import ModelConfig
+from apiary.cloud.engine.errors import EngineError
 
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 GGUF_ARCHITECTURES = ("llama", "qwen2")  # q/k are permuted in GGUF for "llama" only

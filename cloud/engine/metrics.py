@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from cloud.engine.sequence import Sequence
+from apiary.cloud.engine.sequence import Sequence
 
 WINDOW = 4096  # latency samples kept (most recent requests)
 

@@ -1,9 +1,9 @@
 """A Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) over a paged KV cache.
 
 Covers Llama 2/3, SmolLM2, Mistral and Qwen2 (q/k/v biases). q/k/v and gate/up are fused into
-one matmul each. Attention, norms, rotary and the KV write go through ``kernels.ops``, so the
+one matmul each. Attention, norms, rotary and the KV write go through ``apiary.kernels.ops``, so the
 Triton kernels replace the torch references on CUDA without touching this file; on CPU, decode
-attention goes to ``cloud.engine.cpu_attention`` (numba) unless the config asks for the reference.
+attention goes to ``apiary.cloud.engine.cpu_attention`` (numba) unless the config asks for the reference.
 """
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from cloud.engine import cpu_attention
-from cloud.engine.config import ModelConfig
-from cloud.engine.errors import EngineError, StepInterrupted
-from cloud.engine.linear import Linear
-from kernels import ops
+from apiary.cloud.engine import cpu_attention
+from apiary.cloud.engine.config import ModelConfig
+from apiary.cloud.engine.errors import EngineError, StepInterrupted
+from apiary.cloud.engine.linear import Linear
+from apiary.kernels import ops
 
 
 @dataclass(slots=True)
@@ -109,7 +109,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 def rope_cos_sin_cache(config: ModelConfig, max_positions: int, device: torch.device) -> torch.Tensor:
-    """``[max_positions, head_dim]``: first half cos, second half sin (the ``kernels.ops`` layout), fp32."""
+    """``[max_positions, head_dim]``: first half cos, second half sin (the ``apiary.kernels.ops`` layout), fp32."""
     freqs = torch.arange(max_positions, dtype=torch.float64)[:, None] * rope_inv_freq(config)[None, :]
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(torch.float32).to(device)
 

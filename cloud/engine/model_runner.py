@@ -8,14 +8,14 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import torch
 
-from cloud.engine.config import EngineConfig
-from cloud.engine.errors import EngineError
-from cloud.engine import host_memory, threads
-from cloud.engine.loader import Checkpoint
-from cloud.engine.model import AttentionMetadata, LlamaModel, paged_layout
-from cloud.engine.scheduler import ScheduledBatch
-from cloud.engine.sequence import Sequence
-from kernels import cpu
+from apiary.cloud.engine.config import EngineConfig
+from apiary.cloud.engine.errors import EngineError
+from apiary.cloud.engine import host_memory, threads
+from apiary.cloud.engine.loader import Checkpoint
+from apiary.cloud.engine.model import AttentionMetadata, LlamaModel, paged_layout
+from apiary.cloud.engine.scheduler import ScheduledBatch
+from apiary.cloud.engine.sequence import Sequence
+from apiary.kernels import cpu
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ DECODE_GROUPS, DECODE_GROUP_MIN = 4, 8  # CPU: decode attention in up to 4 calls
 
 def resolve_dtype(config: EngineConfig, device: torch.device, flags: Iterable[str] | None = None) -> torch.dtype:
     """The weights' and KV cache's dtype. ``auto``: bfloat16 on CUDA; on CPU bfloat16 only where the
-    CPU computes it natively (``kernels.cpu.native_bf16`` of ``flags``, default this host's), else
+    CPU computes it natively (``apiary.kernels.cpu.native_bf16`` of ``flags``, default this host's), else
     float32: emulated bf16 matmuls are slower than float32 (docs/benchmarks.md)."""
     if config.dtype != "auto":
         return DTYPES[config.dtype]

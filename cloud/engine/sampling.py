@@ -31,8 +31,8 @@ from typing import Protocol, Sequence as Seq
 
 import torch
 
-from cloud.engine.sampling_params import SamplingParams
-from cloud.engine.sequence import Sequence
+from apiary.cloud.engine.sampling_params import SamplingParams
+from apiary.cloud.engine.sequence import Sequence
 
 NEG_INF = float("-inf")
 

@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from cloud.engine.errors import RequestRejected
+from apiary.cloud.engine.errors import RequestRejected
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")

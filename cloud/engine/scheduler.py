@@ -17,9 +17,9 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from cloud.engine.block_manager import BlockManager
-from cloud.engine.config import EngineConfig
-from cloud.engine.sequence import Sequence, SequenceStatus
+from apiary.cloud.engine.block_manager import BlockManager
+from apiary.cloud.engine.config import EngineConfig
+from apiary.cloud.engine.sequence import Sequence, SequenceStatus
 
 
 def _urgency(seq: Sequence) -> tuple[int, int]:

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from cloud.engine.outputs import FinishReason, RequestMetrics
-from cloud.engine.sampling_params import SamplingParams
+from apiary.cloud.engine.outputs import FinishReason, RequestMetrics
+from apiary.cloud.engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

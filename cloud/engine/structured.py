@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from cloud.engine.errors import EngineError, RequestRejected
-from cloud.engine.sampling import Row
-from cloud.engine.sampling_params import StructuredOutput
-from cloud.engine.sequence import Sequence
+from apiary.cloud.engine.errors import EngineError, RequestRejected
+from apiary.cloud.engine.sampling import Row
+from apiary.cloud.engine.sampling_params import StructuredOutput
+from apiary.cloud.engine.sequence import Sequence
 
 COMPILE_CACHE = 256  # compiled grammars kept (by kind and spec)
 MAX_SPEC_CHARS = 64_000

@@ -9,12 +9,12 @@ neighbour takes one core, the thread that still has work waits for it while its 
 the other core spinning. And thread counts came from ``os.cpu_count()``, which ignores the CPUs
 this process may use (``sched_getaffinity``) and the container's CPU quota (cgroup).
 
-So, before torch or numba load their OpenMP runtimes (``cloud.engine`` imports this module
+So, before torch or numba load their OpenMP runtimes (``apiary.cloud.engine`` imports this module
 first), ``configure_environment`` sets, unless the operator already did:
 - ``OMP_WAIT_POLICY=PASSIVE``: idle OpenMP threads sleep at once (libgomp then spins 0 times),
   for both runtimes; ``KMP_BLOCKTIME=0`` does the same for Intel's OpenMP if that is the one loaded;
 - ``OMP_NUM_THREADS`` and ``NUMBA_NUM_THREADS``: the CPUs available (affinity, cgroup quota).
-libgomp reads these once, when it loads: if torch was imported before ``cloud.engine``, its pool
+libgomp reads these once, when it loads: if torch was imported before ``apiary.cloud.engine``, its pool
 keeps whatever it started with, and ``report()`` says so. ``apply`` then sets the thread count
 at engine load (``EngineConfig.num_threads``, else the CPUs available).
 
@@ -129,7 +129,7 @@ def configure_environment(env: MutableMapping[str, str] | None = None, cpus: int
 def apply(num_threads: int | None) -> int:
     """At engine load on CPU: torch's intra-op threads, ``num_threads`` if given, else torch's current
     count capped at the CPUs available (a caller that chose fewer keeps them). numba's decode
-    kernel follows torch's count (``cloud.engine.cpu_attention``)."""
+    kernel follows torch's count (``apiary.cloud.engine.cpu_attention``)."""
     import torch
 
     n = num_threads or min(torch.get_num_threads(), STATE.cpus or available_cpus(affinity_cpus(), cgroup_cpu_limit()))

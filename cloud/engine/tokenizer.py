@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from cloud.engine.errors import EngineError, RequestRejected
+from apiary.cloud.engine.errors import EngineError, RequestRejected
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"

@@ -66,11 +66,11 @@ def test_simulate_run_with_a_broker_maps_hives_to_sites_as_the_demo_does(tmp_pat
     from collections import Counter
 
     from apiary.mesh import Mesh, MeshOptions
-    from firmware_bridge.settings import default_name
-    from firmware_bridge.simulator import Fleet
-    from shared import topics
-    from shared.brokers import EmbeddedBroker
-    from shared.transport import MqttTransport
+    from apiary.firmware_bridge.settings import default_name
+    from apiary.firmware_bridge.simulator import Fleet
+    from apiary.shared import topics
+    from apiary.shared.brokers import EmbeddedBroker
+    from apiary.shared.transport import MqttTransport
 
     broker = EmbeddedBroker()
     config = broker.start()

@@ -15,13 +15,13 @@ from typing import Iterator
 
 import pytest
 
-from cloud.settings import CloudSettings
-from shared import topics
-from shared.brokers import free_port, wait_for_port
-from shared.config import MqttConfig
-from shared.hostname import host_name
-from shared.protocol import Envelope
-from shared.transport import MqttTransport
+from apiary.cloud.settings import CloudSettings
+from apiary.shared import topics
+from apiary.shared.brokers import free_port, wait_for_port
+from apiary.shared.config import MqttConfig
+from apiary.shared.hostname import host_name
+from apiary.shared.protocol import Envelope
+from apiary.shared.transport import MqttTransport
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"

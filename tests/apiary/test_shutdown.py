@@ -8,10 +8,10 @@ import time
 import paho.mqtt.client as paho
 import pytest
 
-from shared import topics
-from shared.brokers import EmbeddedBroker
-from shared.protocol import DeviceState, make
-from shared.transport import MqttTransport
+from apiary.shared import topics
+from apiary.shared.brokers import EmbeddedBroker
+from apiary.shared.protocol import DeviceState, make
+from apiary.shared.transport import MqttTransport
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,10 @@ from rich.console import Console
 from apiary.observer import MeshObserver
 from apiary.view import (BACKLOG_AGE_S, DemoView, backlog_warning, drain_title, progress_line, render,
                          show_connect)
-from edge.policy import Attempt, EscalationPolicy, Plan, Situation, rule_of
-from edge.settings import PolicySettings
-from shared.config import MqttConfig
-from shared.protocol import DeviceState, InferenceRequest, InferenceResult, SensorEvent, Severity, make
+from apiary.edge.policy import Attempt, EscalationPolicy, Plan, Situation, rule_of
+from apiary.edge.settings import PolicySettings
+from apiary.shared.config import MqttConfig
+from apiary.shared.protocol import DeviceState, InferenceRequest, InferenceResult, SensorEvent, Severity, make
 
 SITES, HIVES = 3, 2  # the demo's default fleet: six edge agents
 
@@ -80,8 +80,8 @@ def engine_gauges(tmp_path_factory: pytest.TempPathFactory) -> dict[str, float]:
     apiary.mesh.Mesh.engine_metrics parses /metrics (floats, 'apiary_engine_' stripped)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from cloud.engine import EngineConfig, LLMEngine, SamplingParams
-    from cloud.metrics import Metrics
+    from apiary.cloud.engine import EngineConfig, LLMEngine, SamplingParams
+    from apiary.cloud.metrics import Metrics
     from tests.cloud.engine.tiny import make_checkpoint
 
     threads = torch.get_num_threads()

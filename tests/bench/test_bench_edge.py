@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from bench import edge
-from bench.make_edge_eval import SPLITS, load
+from apiary.bench import edge
+from apiary.bench.make_edge_eval import SPLITS, load
 
 SPLIT_KEYS = {"n", "answered", "accuracy", "triage", "strategies", "escalated", "escalated_policy",
               "agree_cascade_cloud", "prompt_tokens", "completion_tokens", "edge_joules_per_answered_event",
@@ -23,8 +23,8 @@ PNGS = ["edge-confusion-triage.png", "edge-confusion-edge_only.png", "edge-confu
 def test_eval_data_carries_the_bridges_flags():
     """Every split is on disk at its size, and each event's severity and flags are what the bridge's
     thresholds give its readings today (so watch-level ``_elevated`` flags are there)."""
-    from firmware_bridge.thresholds import assess
-    from shared.protocol import SensorEvent
+    from apiary.firmware_bridge.thresholds import assess
+    from apiary.shared.protocol import SensorEvent
 
     elevated = 0
     for name, split in SPLITS.items():
@@ -57,7 +57,7 @@ def test_auto_edge_prompt_style_is_the_models_own(tuned_ggufs, tmp_path, monkeyp
     """``--edge-prompt-style auto``: the edge model's LocalModel resolves the style (here its GGUF metadata),
     the Responder asks in it, and the JSON says where it came from."""
     from apiary.cli import app
-    from shared.prompting import PROMPT_STYLE_KEY
+    from apiary.shared.prompting import PROMPT_STYLE_KEY
 
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(app, ["bench", "edge", "--limit", "1", "--thread-prompts", "0", "--grammar-prompts",
@@ -116,7 +116,7 @@ def test_command_defaults_write_json_and_pngs(gguf_path, tmp_path, monkeypatch):
     _check_record(record, results)
     assert record["calibration"]["n"] == 3 and len(record["cases"]) == 9
     # The defaults are what the demo runs: the shipped INT4 student on the edge, the tuned teacher in the cloud.
-    from shared import assets
+    from apiary.shared import assets
 
     assert Path(record["edge"]["model"]) == assets.model_file("edge-student")
     assert record["edge"]["prompt_style"] == "short" and record["cloud"]["prompt_style"] == "short"
@@ -132,7 +132,7 @@ def test_command_with_adapter_and_short_edge_prompt(gguf_path, tmp_path, monkeyp
     import torch
 
     from apiary.cli import app
-    from cloud.engine import adapter as adapter_format
+    from apiary.cloud.engine import adapter as adapter_format
 
     folder = tmp_path / "adapter"
     target = "model.layers.0.self_attn.q_proj"

@@ -14,8 +14,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from bench import engine as bench_engine
-from kernels import cpu
+from apiary.bench import engine as bench_engine
+from apiary.kernels import cpu
 
 
 def _alive(pid: int) -> bool:

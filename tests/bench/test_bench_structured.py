@@ -14,7 +14,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from bench import structured
+from apiary.bench import structured
 
 
 def _tokenizer(gguf_path):
@@ -23,7 +23,7 @@ def _tokenizer(gguf_path):
 
 
 def test_examples_are_valid_and_mini_validator_catches_mistakes():
-    from shared.prompting import ACTION_JSON_SCHEMA
+    from apiary.shared.prompting import ACTION_JSON_SCHEMA
 
     data = structured.load_schemas()
     assert len(data["json_schemas"]) >= 8

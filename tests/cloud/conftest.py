@@ -6,9 +6,9 @@ from typing import Callable, Iterator
 
 import pytest
 
-from cloud.auth import KeyRing
-from cloud.service import CloudService
-from cloud.settings import CloudSettings
+from apiary.cloud.auth import KeyRing
+from apiary.cloud.service import CloudService
+from apiary.cloud.settings import CloudSettings
 
 # One small real engine for every cloud test: loading SmolLM2 costs seconds, serving it costs less.
 # max_num_seqs=4 / max_waiting=6 keep the queue small enough to fill deterministically (429 test).
@@ -19,7 +19,7 @@ MODEL_NAME = "smollm2-test"
 
 @pytest.fixture(scope="session")
 def cloud_engine(gguf_path: Path):
-    from cloud.engine import AsyncEngine, EngineConfig, LLMEngine
+    from apiary.cloud.engine import AsyncEngine, EngineConfig, LLMEngine
 
     engine = AsyncEngine(LLMEngine(EngineConfig(model_path=gguf_path, dtype="float32", **ENGINE_LIMITS)))
     yield engine

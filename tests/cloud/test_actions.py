@@ -8,12 +8,12 @@ import math
 import numpy as np
 import pytest
 
-from cloud.actions import ActionOutcome, generate_action, score_tokens, token_offsets
-from cloud.engine.sampling import TokenLogprob
-from edge.confidence import measure as edge_measure
-from edge.model import Generation
-from shared.prompting import ACTION_FIELDS, build_messages, parse_action
-from shared.protocol import ASSESSMENTS
+from apiary.cloud.actions import ActionOutcome, generate_action, score_tokens, token_offsets
+from apiary.cloud.engine.sampling import TokenLogprob
+from apiary.edge.confidence import measure as edge_measure
+from apiary.edge.model import Generation
+from apiary.shared.prompting import ACTION_FIELDS, build_messages, parse_action
+from apiary.shared.protocol import ASSESSMENTS
 
 EOS = 99
 
@@ -84,7 +84,7 @@ def test_offsets_hold_back_split_characters() -> None:
 
 
 def _situations(n: int, seed: int):
-    from firmware_bridge.simulator import labelled_situations
+    from apiary.firmware_bridge.simulator import labelled_situations
 
     return labelled_situations(n, seed)
 

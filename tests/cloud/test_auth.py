@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from cloud.auth import KeyRing, hash_key
-from cloud.errors import CloudError
+from apiary.cloud.auth import KeyRing, hash_key
+from apiary.cloud.errors import CloudError
 
 
 def test_create_verify_scopes(tmp_path):

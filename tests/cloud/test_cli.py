@@ -13,10 +13,10 @@ import pytest
 from typer.testing import CliRunner
 
 from apiary.cli import app
-from cloud.auth import KeyRing
-from shared import topics
-from shared.protocol import DeviceState, InferenceRequest, make
-from shared.transport import MqttTransport
+from apiary.cloud.auth import KeyRing
+from apiary.shared import topics
+from apiary.shared.protocol import DeviceState, InferenceRequest, make
+from apiary.shared.transport import MqttTransport
 
 
 def test_keys_create(tmp_path):
@@ -48,7 +48,7 @@ def test_serve_reports_a_taken_port_before_loading_the_model(tmp_path):
 
 def test_serve_reports_an_unreachable_broker_before_loading_the_model(tmp_path, caplog):
     """The broker is asked first: its refusal is logged at once with the retry policy, while the model loads."""
-    from shared.brokers import free_port
+    from apiary.shared.brokers import free_port
 
     broker = f"mqtt://127.0.0.1:{free_port()}"
     result = CliRunner().invoke(app, ["cloud", "serve", "--port", "0", "--broker", broker, "--model",

@@ -20,10 +20,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from edge.agent import EdgeAgent
-from edge.settings import EdgeSettings
-from shared.config import MqttConfig
-from shared.protocol import SensorEvent, Severity
+from apiary.edge.agent import EdgeAgent
+from apiary.edge.settings import EdgeSettings
+from apiary.shared.config import MqttConfig
+from apiary.shared.protocol import SensorEvent, Severity
 from tests.edge.helpers import DEVICE, SITE, RecordingModel, reading
 from tests.edge.test_agent_mqtt import Bridge, Observer, agent_process, fast, outbox_rows
 from tests.shared.helpers import wait_until

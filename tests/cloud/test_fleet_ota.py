@@ -13,12 +13,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cloud.store import SqliteStore
-from edge.agent import EdgeAgent
-from edge.model import LocalModel
-from edge.settings import EdgeSettings, OtaSettings, PolicySettings
-from shared import assets, image
-from shared.protocol import DeviceState
+from apiary.cloud.store import SqliteStore
+from apiary.edge.agent import EdgeAgent
+from apiary.edge.model import LocalModel
+from apiary.edge.settings import EdgeSettings, OtaSettings, PolicySettings
+from apiary.shared import assets, image
+from apiary.shared.protocol import DeviceState
 
 SITE, DEVICE = "meadow", "hive-7"
 

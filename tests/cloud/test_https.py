@@ -6,9 +6,9 @@ import ssl
 import httpx
 import pytest
 
-from cloud.errors import CloudError
-from cloud.settings import load_settings
-from deploy.pki import init_ca, issue
+from apiary.cloud.errors import CloudError
+from apiary.cloud.settings import load_settings
+from apiary.deploy.pki import init_ca, issue
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,8 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from apiary.cli import app
-from cloud.store import SqliteStore
-from shared.protocol import ASSESSMENTS, SensorEvent
+from apiary.cloud.store import SqliteStore
+from apiary.shared.protocol import ASSESSMENTS, SensorEvent
 
 
 def reading(device: str, seq: int, **kw) -> SensorEvent:

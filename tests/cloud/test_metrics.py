@@ -8,10 +8,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cloud.metrics import TPOT_BUCKETS, TTFT_BUCKETS, FleetCollector, Metrics, reason_rules
-from cloud.store import SqliteStore
-from shared import topics
-from shared.protocol import DeviceState, InferenceResult, OtaStatus, make
+from apiary.cloud.metrics import TPOT_BUCKETS, TTFT_BUCKETS, FleetCollector, Metrics, reason_rules
+from apiary.cloud.store import SqliteStore
+from apiary.shared import topics
+from apiary.shared.protocol import DeviceState, InferenceResult, OtaStatus, make
 from tests.cloud.conftest import MODEL_NAME
 
 
@@ -151,7 +151,7 @@ def test_device_gauges_come_from_the_store(tmp_path):
 
 
 def test_vllm_buckets_are_vllms():
-    from cloud.metrics import length_buckets
+    from apiary.cloud.metrics import length_buckets
 
     assert length_buckets(100) == [1, 2, 5, 10, 20, 50, 100] and length_buckets(2048)[-1] == 2000
     assert TTFT_BUCKETS[0] == 0.001 and TTFT_BUCKETS[-1] == 2560.0 and len(TTFT_BUCKETS) == 22
@@ -204,7 +204,7 @@ def test_real_requests_fill_the_vllm_histograms(make_service, keys, cloud_engine
 def test_an_abandoned_stream_is_still_aborted_through_the_observed_engine(make_service, cloud_engine, idle_engine):
     """The observing wrapper closes the engine's stream when its consumer leaves: the request is aborted (its KV
     blocks freed) and lands in no latency histogram."""
-    from cloud.engine import SamplingParams
+    from apiary.cloud.engine import SamplingParams
 
     service = make_service()
     served = service.app.state.ctx.engine
@@ -233,7 +233,7 @@ def test_an_abandoned_stream_is_still_aborted_through_the_observed_engine(make_s
 def test_the_running_service_counts_what_its_recorder_sees(make_service, mosquitto):
     """Over a real broker: a device's birth with its battery, an edge answer and an OTA report reach the service's
     /metrics (counted off the recorder's subscriptions, the battery from the store it wrote)."""
-    from shared.transport import MqttTransport
+    from apiary.shared.transport import MqttTransport
 
     service = make_service(broker=mosquitto.config.url, worker_id="metrics-w", escalations=False)
     device = MqttTransport(mosquitto.config, "h7", persistent=False)

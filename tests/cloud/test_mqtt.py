@@ -10,10 +10,10 @@ from collections import defaultdict
 import httpx
 import pytest
 
-from shared import topics
-from shared.protocol import (Action, DeviceState, InferenceRequest, InferenceResult, OtaCommand, OtaStatus,
+from apiary.shared import topics
+from apiary.shared.protocol import (Action, DeviceState, InferenceRequest, InferenceResult, OtaCommand, OtaStatus,
                              SensorEvent, Severity, make)
-from shared.transport import MqttTransport
+from apiary.shared.transport import MqttTransport
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -118,7 +118,7 @@ def test_worker_restart_answers_from_the_store(mosquitto, make_service, idle_eng
 def test_json_action_answers_with_the_schema_and_a_confidence(mosquitto, make_service, idle_engine):
     """json_action: one request decoded under the action's JSON Schema; the reply carries the confidence
     scored by the edge's rule, and a re-sent request gets the stored answer with it."""
-    from shared.prompting import ACTION_FIELDS, SYSTEM_PROMPT
+    from apiary.shared.prompting import ACTION_FIELDS, SYSTEM_PROMPT
 
     service = make_service(broker=mosquitto.config.url, worker_id="cloud-json", record=False)
     edge = Edge(mosquitto.config)

@@ -12,7 +12,7 @@ import jsonschema
 import pydantic
 import pytest
 
-from shared.assets import REGISTRY
+from apiary.shared.assets import REGISTRY
 from tests.cloud.conftest import MODEL_NAME
 from tests.cloud.test_api import COUNTING, client, server, wait_for  # noqa: F401 (server is a fixture)
 

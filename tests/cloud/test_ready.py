@@ -15,10 +15,10 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from cloud.api.health import Gate, Lifecycle
-from cloud.metrics import Metrics
-from shared.config import MqttConfig
-from shared.transport import MqttTransport
+from apiary.cloud.api.health import Gate, Lifecycle
+from apiary.cloud.metrics import Metrics
+from apiary.shared.config import MqttConfig
+from apiary.shared.transport import MqttTransport
 from tests.cloud.conftest import MODEL_NAME
 
 COUNTING = "1, 2, 3, 4, 5, 6, 7,"

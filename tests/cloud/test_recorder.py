@@ -13,13 +13,13 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from cloud.metrics import Metrics
-from cloud.recorder import Recorder
-from cloud.store import SqliteStore
-from shared import topics
-from shared.config import MqttConfig
-from shared.protocol import Body, DeviceState, InferenceResult, OtaStatus, SensorEvent, make
-from shared.transport import MqttTransport
+from apiary.cloud.metrics import Metrics
+from apiary.cloud.recorder import Recorder
+from apiary.cloud.store import SqliteStore
+from apiary.shared import topics
+from apiary.shared.config import MqttConfig
+from apiary.shared.protocol import Body, DeviceState, InferenceResult, OtaStatus, SensorEvent, make
+from apiary.shared.transport import MqttTransport
 from tests.shared.helpers import AclBroker, device_with_will, forged_payload, publish_raw, wait_until
 
 pytestmark = pytest.mark.timeout(120)

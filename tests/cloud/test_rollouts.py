@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from cloud import rollouts
-from cloud.errors import CloudError
-from cloud.store import SqliteStore
-from shared import image
-from shared.protocol import DeviceState, OtaCommand, OtaStatus
+from apiary.cloud import rollouts
+from apiary.cloud.errors import CloudError
+from apiary.cloud.store import SqliteStore
+from apiary.shared import image
+from apiary.shared.protocol import DeviceState, OtaCommand, OtaStatus
 
 VERSION = "2027.1.0"
 
@@ -268,9 +268,9 @@ def test_image_facts_are_read_from_the_archive_and_a_non_image_is_refused(tmp_pa
 
 
 def test_the_recorder_wakes_the_driver_once_per_stored_ota_status(fleet: Fleet) -> None:
-    from cloud.recorder import Recorder
-    from shared import topics
-    from shared.protocol import make
+    from apiary.cloud.recorder import Recorder
+    from apiary.shared import topics
+    from apiary.shared.protocol import make
 
     seen: list[str] = []
     recorder = Recorder(fleet.store, on_ota_status=lambda status: seen.append(status.phase))
@@ -300,10 +300,10 @@ def api(fleet: Fleet, tmp_path: Path):
     """The real app on the fleet's store, with no broker and no engine (these routes use neither)."""
     from starlette.testclient import TestClient
 
-    from cloud.api import AppContext, create_app
-    from cloud.auth import KeyRing
-    from cloud.metrics import Metrics
-    from cloud.settings import CloudSettings
+    from apiary.cloud.api import AppContext, create_app
+    from apiary.cloud.auth import KeyRing
+    from apiary.cloud.metrics import Metrics
+    from apiary.cloud.settings import CloudSettings
 
     keys = KeyRing(tmp_path / "keys.jsonl")
     settings = CloudSettings(images=str(tmp_path / "images"), db=str(tmp_path / "cloud.db"),

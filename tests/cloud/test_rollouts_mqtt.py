@@ -20,10 +20,10 @@ import pytest
 from typer.testing import CliRunner
 
 from apiary.cli import app
-from edge.agent import EdgeAgent
-from edge.model import LocalModel
-from edge.settings import EdgeSettings, OtaSettings, PolicySettings
-from shared import image
+from apiary.edge.agent import EdgeAgent
+from apiary.edge.model import LocalModel
+from apiary.edge.settings import EdgeSettings, OtaSettings, PolicySettings
+from apiary.shared import image
 from tests.edge.helpers import ROOT, FileServer
 from tests.shared.helpers import wait_until
 
@@ -40,7 +40,7 @@ def signing(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def student() -> Path:
-    from shared import assets
+    from apiary.shared import assets
 
     return assets.edge_model("edge-student")
 

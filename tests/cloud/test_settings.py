@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from cloud.errors import CloudError
-from cloud.settings import load_settings
+from apiary.cloud.errors import CloudError
+from apiary.cloud.settings import load_settings
 
 
 def test_file_env_explicit_precedence(tmp_path, monkeypatch):
@@ -37,7 +37,7 @@ def test_model_name_and_resolution(tmp_path):
 
 
 def test_speculative_settings(tmp_path):
-    from cloud.engine import SpeculativeConfig
+    from apiary.cloud.engine import SpeculativeConfig
 
     assert load_settings(None).speculative_config() is None  # off unless asked for
     ngram = load_settings(None, speculative="ngram", spec_k=4).speculative_config()
@@ -62,6 +62,6 @@ def test_the_worker_keeps_one_identity_and_a_persistent_session_across_restarts(
 
     s = load_settings(None)
     assert s.persistent_session is True and s.session_expiry_s == 300  # the edge's escalation deadline
-    code = "from cloud.settings import load_settings; print(load_settings(None).worker_id)"
+    code = "from apiary.cloud.settings import load_settings; print(load_settings(None).worker_id)"
     again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert again.stdout.strip() == s.worker_id

@@ -5,9 +5,9 @@ import threading
 
 import pytest
 
-from cloud.errors import CloudError
-from cloud.store import SqliteStore
-from shared.protocol import DeviceState, InferenceResult, OtaStatus, SensorEvent
+from apiary.cloud.errors import CloudError
+from apiary.cloud.store import SqliteStore
+from apiary.shared.protocol import DeviceState, InferenceResult, OtaStatus, SensorEvent
 
 
 @pytest.fixture

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from cloud.errors import CloudError
-from cloud.settings import CloudSettings
-from shared import assets
-from shared.protocol import InferenceRequest
-from shared.prompting import build_messages
+from apiary.cloud.errors import CloudError
+from apiary.cloud.settings import CloudSettings
+from apiary.shared import assets
+from apiary.shared.protocol import InferenceRequest
+from apiary.shared.prompting import build_messages
 
 HELD_OUT_SEED = 505  # used by no training, validation or benchmark split
 
@@ -32,8 +32,8 @@ def test_the_shipped_teacher_is_served_by_default_only_on_its_base(gguf_path: Pa
 def test_escalations_are_answered_by_the_tuned_teacher(mosquitto, tmp_path: Path, gguf_path: Path) -> None:
     """`cloud serve` defaults: the teacher reads the short prompt (whatever the edge's model needed) and
     gets held-out situations of every label right."""
-    from cloud.service import CloudService
-    from firmware_bridge.simulator import labelled_situations
+    from apiary.cloud.service import CloudService
+    from apiary.firmware_bridge.simulator import labelled_situations
     from tests.cloud.test_mqtt import Edge
 
     service = CloudService(CloudSettings(port=0, broker=mosquitto.config.url, db=str(tmp_path / "cloud.db"),

@@ -13,12 +13,12 @@ from typing import Iterator
 
 import pytest
 
-from cloud.metrics import Metrics
-from cloud.store import SqliteStore
-from cloud.worker import EscalationWorker, WorkerConfig
-from shared import topics
-from shared.protocol import DeviceState, InferenceRequest, InferenceResult, encode, make
-from shared.transport import MqttTransport
+from apiary.cloud.metrics import Metrics
+from apiary.cloud.store import SqliteStore
+from apiary.cloud.worker import EscalationWorker, WorkerConfig
+from apiary.shared import topics
+from apiary.shared.protocol import DeviceState, InferenceRequest, InferenceResult, encode, make
+from apiary.shared.transport import MqttTransport
 from tests.shared.helpers import AclBroker, Inbox, wait_until
 
 pytestmark = pytest.mark.timeout(120)

@@ -5,15 +5,15 @@ from pathlib import Path
 
 import pytest
 
-from deploy.accuracy import engine_accuracy
+from apiary.deploy.accuracy import engine_accuracy
 
 pytestmark = pytest.mark.timeout(600)
 
 
 def test_messages_and_rendered_text_score_the_same(gguf_path: Path, teacher_tokenizer_meta: dict) -> None:
-    from cloud.engine.tokenizer import Tokenizer
-    from deploy.corpus import sensor_situations
-    from shared import assets
+    from apiary.cloud.engine.tokenizer import Tokenizer
+    from apiary.deploy.corpus import sensor_situations
+    from apiary.shared import assets
 
     situations = sensor_situations(4, seed=202, style="short")
     messages, labels = [m for m, _ in situations], [label for _, label in situations]

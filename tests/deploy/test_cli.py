@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from apiary.cli import app
-from shared.protocol import OtaCommand
+from apiary.shared.protocol import OtaCommand
 
 runner = CliRunner()
 
@@ -54,8 +54,8 @@ def test_image_keygen_build_verify_and_command(tmp_path: Path) -> None:
 def test_image_command_publishes_to_mosquitto(tmp_path: Path, mosquitto) -> None:
     import threading
 
-    from shared import image, topics
-    from shared.transport import MqttTransport
+    from apiary.shared import image, topics
+    from apiary.shared.transport import MqttTransport
 
     priv, pub = image.write_keypair(tmp_path, "k")
     model = tmp_path / "m.gguf"

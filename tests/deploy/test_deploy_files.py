@@ -68,7 +68,7 @@ def test_compose_has_the_fleet_and_references_only_files_that_exist():
 def test_compose_replicas_each_have_their_worker_id_port_and_grace_period():
     import inspect
 
-    from cloud.cli import serve
+    from apiary.cloud.cli import serve
 
     drain_timeout = inspect.signature(serve).parameters["drain_timeout"].default.default
     clouds = cloud_services(compose())
@@ -93,7 +93,7 @@ def test_prometheus_scrapes_every_replica_and_only_them():
 
 def test_the_broker_config_is_the_shipped_template_rendered():
     """deploy/docker/mosquitto.conf carries the shipped template's settings, filled for the container."""
-    from shared.brokers import MosquittoBroker
+    from apiary.shared.brokers import MosquittoBroker
 
     broker = MosquittoBroker(port=1883, host="0.0.0.0", data_dir="/mosquitto/data", variables={"user": "mosquitto"})
 
@@ -195,7 +195,7 @@ class Refuse:
         if name.split(".")[0] in BLOCKED:
             raise ImportError(f"{{name}} is not in the edge image")
 sys.meta_path.insert(0, Refuse())
-for package in ("shared", "edge", "firmware_bridge"):
+for package in ("apiary.shared", "apiary.edge", "apiary.firmware_bridge"):
     pkg = importlib.import_module(package)
     for info in pkgutil.walk_packages(pkg.__path__, package + "."):
         importlib.import_module(info.name)
@@ -265,7 +265,7 @@ def exported_names() -> set[str]:
     request, the fleet and each labelled family's samples."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from cloud.metrics import FleetCollector, Metrics
+    from apiary.cloud.metrics import FleetCollector, Metrics
     from tests.cloud.test_metrics import ENGINE_VALUES
 
     m = Metrics()

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from deploy.distill import DistillConfig, DistillReport, distill
+from apiary.deploy.distill import DistillConfig, DistillReport, distill
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ STEPS = 8
 
 
 def config(teacher: Path, out: Path, steps: int = STEPS) -> DistillConfig:
-    from shared import assets
+    from apiary.shared import assets
 
     return DistillConfig(teacher=teacher, teacher_adapter=assets.shipped("sensor-teacher-lora"), out=out, layers=4, steps=steps, batch_size=2, seq_len=384, lr=5e-4,
                          warmup_steps=1, n_sensor=2, n_eval=1, n_general=2, max_answer_tokens=64,
@@ -56,11 +56,11 @@ def test_short_distillation_lowers_the_loss_and_writes_everything(run: DistillRe
 
 @pytest.mark.timeout(600)
 def test_int4_export_runs_in_llama_cpp_like_the_torch_student(run: DistillReport, tmp_path: Path) -> None:
-    from cloud.engine import EngineConfig, LLMEngine, SamplingParams
-    from deploy.agreement import agreement, llama_top1
-    from deploy.corpus import load_corpus
-    from deploy.quantize import quantize
-    from deploy.student import load_model
+    from apiary.cloud.engine import EngineConfig, LLMEngine, SamplingParams
+    from apiary.deploy.agreement import agreement, llama_top1
+    from apiary.deploy.corpus import load_corpus
+    from apiary.deploy.quantize import quantize
+    from apiary.deploy.student import load_model
 
     report = quantize(run.model_dir, tmp_path / "student.gguf", "q4_0", corpus_path=run.out / "eval.jsonl", n_eval=2)
     assert report.size_bytes < report.fp32_bytes / 3 and report.top1_agreement is not None and report.positions > 0

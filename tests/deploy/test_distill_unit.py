@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deploy import corpus
-from deploy.distill import (DistillConfig, DistillError, TokenData, TokenSample, distill_loss, lr_at, sample_order,
+from apiary.deploy import corpus
+from apiary.deploy.distill import (DistillConfig, DistillError, TokenData, TokenSample, distill_loss, lr_at, sample_order,
                             step_loss, teacher_targets, tokenize, top_k_targets)
 
 
@@ -85,7 +85,7 @@ def test_bad_settings_are_refused(field: str, value, message: str) -> None:
 
 
 def test_general_text_ships_and_is_cut_into_samples(teacher_tokenizer_meta: dict) -> None:
-    from cloud.engine.tokenizer import Tokenizer
+    from apiary.cloud.engine.tokenizer import Tokenizer
 
     samples = corpus.general_samples()
     assert len(samples) >= 10 and sum(len(s.text) for s in samples) > 20_000
@@ -126,7 +126,7 @@ def test_corpus_file_recovers_from_a_cut_record_and_rejects_garbage(tmp_path: Pa
 
 
 def test_sensor_situations_use_the_shared_prompt() -> None:
-    from shared.prompting import SYSTEM_PROMPT
+    from apiary.shared.prompting import SYSTEM_PROMPT
 
     situations = corpus.sensor_situations(6, seed=1)
     assert len(situations) == 6 and len({label for _, label in situations}) == 6
@@ -176,7 +176,7 @@ def test_step_loss_trains_on_tails_after_the_prefix_and_counts_the_prefix_once()
 
 
 def test_sensor_situations_in_the_tuned_teachers_short_style() -> None:
-    from shared.prompting import SHORT_SYSTEM_PROMPT
+    from apiary.shared.prompting import SHORT_SYSTEM_PROMPT
 
     situations = corpus.sensor_situations(4, seed=1, style="short")
     assert all(m[0] == {"role": "system", "content": SHORT_SYSTEM_PROMPT} and len(m) == 2 for m, _ in situations)
@@ -188,7 +188,7 @@ def _answered(label: str, answered: str | None) -> dict:
 
 
 def test_wrong_teacher_answers_are_left_out_and_counted(tmp_path: Path) -> None:
-    from deploy.distill import prepare_corpus
+    from apiary.deploy.distill import prepare_corpus
 
     rows = [_answered("normal", "normal"), _answered("robbing", "swarming"), _answered("heat_stress", None)]
     (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -203,8 +203,8 @@ def test_wrong_teacher_answers_are_left_out_and_counted(tmp_path: Path) -> None:
 
 
 def test_a_corpus_is_not_continued_with_another_teacher(tmp_path: Path) -> None:
-    from deploy.distill import prepare_corpus
-    from shared import assets
+    from apiary.deploy.distill import prepare_corpus
+    from apiary.shared import assets
 
     (tmp_path / "corpus.jsonl").write_text(json.dumps(_answered("normal", "normal")) + "\n")
     plain = DistillConfig(teacher=Path(__file__), out=tmp_path, n_sensor=1, n_eval=0, n_general=0)
@@ -220,9 +220,9 @@ def test_a_corpus_is_not_continued_with_another_teacher(tmp_path: Path) -> None:
 
 
 def test_the_teacher_is_the_base_with_its_adapter_merged(tmp_path: Path, teacher_tokenizer_meta: dict) -> None:
-    from cloud.engine import adapter as adapter_format
-    from deploy.distill import load_teacher
-    from deploy.student import save_hf_folder
+    from apiary.cloud.engine import adapter as adapter_format
+    from apiary.deploy.distill import load_teacher
+    from apiary.deploy.student import save_hf_folder
 
     from .conftest import tiny_model
 

@@ -8,13 +8,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from cloud.engine import EngineConfig, EngineError, LLMEngine
-from cloud.engine import adapter as adapter_format
-from deploy.answers import reference_action
-from deploy.finetune import FinetuneConfig, FinetuneError, add_lora, finetune, lora_tensors
-from deploy.student import load_model
-from firmware_bridge.simulator import labelled_situations
-from shared.prompting import ACTION_FIELDS, ACTION_JSON_SCHEMA, parse_action
+from apiary.cloud.engine import EngineConfig, EngineError, LLMEngine
+from apiary.cloud.engine import adapter as adapter_format
+from apiary.deploy.answers import reference_action
+from apiary.deploy.finetune import FinetuneConfig, FinetuneError, add_lora, finetune, lora_tensors
+from apiary.deploy.student import load_model
+from apiary.firmware_bridge.simulator import labelled_situations
+from apiary.shared.prompting import ACTION_FIELDS, ACTION_JSON_SCHEMA, parse_action
 from tests.cloud.engine.tiny import make_checkpoint
 
 
@@ -35,9 +35,9 @@ def test_reference_answers_are_valid_actions_that_name_their_evidence() -> None:
 def test_short_prompts_stay_under_400_tokens(gguf_path: Path) -> None:
     import gguf
 
-    from cloud.engine.loader import read_gguf_metadata
-    from cloud.engine.tokenizer import load_tokenizer
-    from deploy.finetune import build_examples
+    from apiary.cloud.engine.loader import read_gguf_metadata
+    from apiary.cloud.engine.tokenizer import load_tokenizer
+    from apiary.deploy.finetune import build_examples
 
     tok = load_tokenizer(gguf_path, read_gguf_metadata(gguf.GGUFReader(gguf_path)))
     rows = [(s.label, s.event, s.context) for s in labelled_situations(60, seed=11)]
@@ -100,7 +100,7 @@ def test_a_foreign_or_broken_adapter_is_refused(tiny: Path, tmp_path: Path) -> N
                                           "model.layers.0.self_attn.q_proj.lora_B": torch.zeros(64, 2)})
     gguf_like = tmp_path / "base.gguf"
     gguf_like.write_bytes(b"not the base")
-    from cloud.engine.loader import load_checkpoint
+    from apiary.cloud.engine.loader import load_checkpoint
 
     with pytest.raises(EngineError, match="tuned on a base"):
         adapter_format.merge(load_checkpoint(tiny).weights, folder, gguf_like)

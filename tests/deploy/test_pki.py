@@ -10,12 +10,12 @@ import pytest
 from typer.testing import CliRunner
 
 from apiary.cli import app
-from deploy.pki import PkiError, init_ca, issue, write_acl
-from shared import topics
-from shared.brokers import MTLS_CONFIG, MosquittoBroker
-from shared.config import MqttConfig, mqtt_settings
-from shared.protocol import SensorEvent, make
-from shared.transport import MqttTransport, TransportError
+from apiary.deploy.pki import PkiError, init_ca, issue, write_acl
+from apiary.shared import topics
+from apiary.shared.brokers import MTLS_CONFIG, MosquittoBroker
+from apiary.shared.config import MqttConfig, mqtt_settings
+from apiary.shared.protocol import SensorEvent, make
+from apiary.shared.transport import MqttTransport, TransportError
 
 pytestmark = pytest.mark.timeout(120)
 SITE = "s1"
@@ -121,7 +121,7 @@ def test_every_room_reads_the_broker_the_same_way(tmp_path: Path) -> None:
     over = mqtt_settings(conf, "mqtts://broker.example:8884", environ={})
     assert (over.host, over.port, over.tls, over.cert_file, over.keepalive) == ("broker.example", 8884, True,
                                                                               "hive-0001.crt", 20)
-    from cloud.settings import load_settings
+    from apiary.cloud.settings import load_settings
 
     cloud = load_settings(conf, broker="mqtts://broker.example:8884", db=str(tmp_path / "c.db"))
     assert cloud.mqtt is not None and (cloud.mqtt.cert_file, cloud.mqtt.port) == ("hive-0001.crt", 8884)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from deploy.qat import fake_quant, quantize_dequantize
+from apiary.deploy.qat import fake_quant, quantize_dequantize
 
 from .conftest import tiny_model
 

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from cloud.engine.loader import load_checkpoint, unpermute_qk
-from deploy.agreement import agreement, llama_top1, torch_top1
-from deploy.quantize import QuantizeError, export_gguf, permute_qk, quantize
-from deploy.student import LlamaForTraining, save_hf_folder
+from apiary.cloud.engine.loader import load_checkpoint, unpermute_qk
+from apiary.deploy.agreement import agreement, llama_top1, torch_top1
+from apiary.deploy.quantize import QuantizeError, export_gguf, permute_qk, quantize
+from apiary.deploy.student import LlamaForTraining, save_hf_folder
 from tests.deploy.conftest import tiny_model
 
 
@@ -33,7 +33,7 @@ def test_q4_0_export_reads_back_as_the_same_model_in_the_loader_and_in_llama_cpp
     import gguf
     from llama_cpp import Llama
 
-    from cloud.engine.tokenizer import Tokenizer
+    from apiary.cloud.engine.tokenizer import Tokenizer
 
     path, model = folder
     out = export_gguf(path, tmp_path / "s.gguf", "q4_0")
@@ -77,7 +77,7 @@ def test_q4_1_export_loads_in_llama_cpp(tmp_path: Path, folder) -> None:
 def _metadata(path: Path) -> dict:
     import gguf
 
-    from cloud.engine.loader import read_gguf_metadata
+    from apiary.cloud.engine.loader import read_gguf_metadata
 
     return read_gguf_metadata(gguf.GGUFReader(path))
 
@@ -85,7 +85,7 @@ def _metadata(path: Path) -> dict:
 def test_the_folders_prompt_style_is_written_to_the_gguf(tmp_path: Path, folder, teacher_tokenizer_meta: dict) -> None:
     from llama_cpp import Llama
 
-    from shared.prompting import PROMPT_STYLE_KEY
+    from apiary.shared.prompting import PROMPT_STYLE_KEY
 
     _, model = folder
     configs = {"distill": {"apiary_distill": {"teacher": "t.gguf", "prompt_style": "short"}},
@@ -109,7 +109,7 @@ def test_q5_0_embeddings_load_in_llama_cpp_and_are_measured(tmp_path: Path, fold
                                                            teacher_tokenizer_meta: dict) -> None:
     import gguf
 
-    from cloud.engine.tokenizer import Tokenizer
+    from apiary.cloud.engine.tokenizer import Tokenizer
 
     path, _ = folder
     q8 = export_gguf(path, tmp_path / "q8.gguf", "q4_0")

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cloud.engine.loader import Checkpoint, load_checkpoint
-from deploy.student import (LlamaForTraining, save_hf_folder, spread_layers, student_from_teacher)
+from apiary.cloud.engine.loader import Checkpoint, load_checkpoint
+from apiary.deploy.student import (LlamaForTraining, save_hf_folder, spread_layers, student_from_teacher)
 from tests.deploy.conftest import tiny_config, tiny_model
 
 
@@ -64,7 +64,7 @@ def test_student_copies_the_chosen_teacher_layers() -> None:
 
 
 def test_hf_folder_loads_in_the_engine_loader_and_tokenizer(tmp_path: Path, teacher_tokenizer_meta: dict) -> None:
-    from cloud.engine.tokenizer import Tokenizer
+    from apiary.cloud.engine.tokenizer import Tokenizer
 
     model = tiny_model()
     folder = save_hf_folder(model, teacher_tokenizer_meta, tmp_path / "student")
@@ -86,7 +86,7 @@ def test_hf_folder_loads_in_the_engine_loader_and_tokenizer(tmp_path: Path, teac
 
 
 def test_engine_serves_a_saved_student_with_the_same_greedy_tokens(tmp_path: Path, teacher_tokenizer_meta: dict) -> None:
-    from cloud.engine import EngineConfig, LLMEngine, SamplingParams
+    from apiary.cloud.engine import EngineConfig, LLMEngine, SamplingParams
 
     model = tiny_model(seed=3)
     folder = save_hf_folder(model, teacher_tokenizer_meta, tmp_path / "student")

@@ -12,7 +12,7 @@ from tests.edge.helpers import FileServer
 
 @pytest.fixture(scope="session")
 def local_model(gguf_path: Path):
-    from edge.model import LocalModel
+    from apiary.edge.model import LocalModel
 
     # One thread: on a shared 2-core machine two llama.cpp threads spin on each other's barriers.
     model = LocalModel(gguf_path, n_ctx=2048, threads=1)
@@ -41,6 +41,6 @@ def server() -> Iterator[FileServer]:
 @pytest.fixture(scope="session")
 def student_gguf() -> Path:
     """The shipped edge student's GGUF (the signed image in shared/models/edge-student, verified and unpacked)."""
-    from shared import assets
+    from apiary.shared import assets
 
     return assets.edge_model("edge-student")

@@ -10,9 +10,9 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from edge.model import Generation
-from shared.config import MqttConfig
-from shared.protocol import SensorEvent, Severity
+from apiary.edge.model import Generation
+from apiary.shared.config import MqttConfig
+from apiary.shared.protocol import SensorEvent, Severity
 
 SITE, DEVICE = "north", "hive-01"
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,16 +72,16 @@ class RecordingModel:
 
 
 def export_styled_ggufs(root: Path, teacher: Path) -> dict[str, Path]:
-    """Tiny random-weight Llamas exported by ``apiary quantize`` (``deploy.quantize``) with the ``teacher``
+    """Tiny random-weight Llamas exported by ``apiary quantize`` (``apiary.deploy.quantize``) with the ``teacher``
     GGUF's tokenizer, so llama.cpp loads them in a moment (their answers are noise): "plain" without
     apiary.prompt_style, "short" tuned for the short prompt, "verbose" naming a style nobody knows."""
     import gguf
     import pytest
 
-    import deploy.quantize
-    from cloud.engine.loader import read_gguf_metadata
-    from deploy.quantize import export_gguf
-    from deploy.student import save_hf_folder, tokenizer_metadata
+    import apiary.deploy.quantize
+    from apiary.cloud.engine.loader import read_gguf_metadata
+    from apiary.deploy.quantize import export_gguf
+    from apiary.deploy.student import save_hf_folder, tokenizer_metadata
     from tests.deploy.conftest import tiny_model
 
     tokenizer_meta = tokenizer_metadata(read_gguf_metadata(gguf.GGUFReader(teacher)))
@@ -90,7 +90,7 @@ def export_styled_ggufs(root: Path, teacher: Path) -> dict[str, Path]:
     short = save_hf_folder(model, tokenizer_meta, root / "short", {"apiary_distill": {"prompt_style": "short"}})
     out = {"plain": export_gguf(plain, root / "plain.gguf"), "short": export_gguf(short, root / "short.gguf")}
     with pytest.MonkeyPatch.context() as mp:  # export refuses unknown styles: write one past its check
-        mp.setattr(deploy.quantize, "folder_prompt_style", lambda folder: "verbose")
+        mp.setattr(apiary.deploy.quantize, "folder_prompt_style", lambda folder: "verbose")
         out["verbose"] = export_gguf(plain, root / "verbose.gguf")
     return out
 
@@ -160,7 +160,7 @@ class FileServer:
 
 
 def agent_process(config: MqttConfig, state_dir: Path, cfg_file: Path, log: Path) -> subprocess.Popen:
-    """``python -m edge run`` for SITE/DEVICE as its own process (what ``apiary edge run`` starts), output in ``log``."""
+    """``python -m apiary.edge run`` for SITE/DEVICE as its own process (what ``apiary edge run`` starts), output in ``log``."""
     env = {**os.environ, "APIARY_LOG_FORMAT": "text", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "edge", "run", "--site", SITE, "--device", DEVICE, "--broker", config.url,
            "--state-dir", str(state_dir), "--config", str(cfg_file)]

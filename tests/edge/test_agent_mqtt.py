@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from edge.agent import EdgeAgent
-from edge.settings import EdgeSettings, PolicySettings
-from shared import topics
-from shared.config import MqttConfig
-from shared.protocol import DeviceState, Envelope, InferenceRequest, InferenceResult, Severity, encode, make
-from shared.transport import MqttTransport
+from apiary.edge.agent import EdgeAgent
+from apiary.edge.settings import EdgeSettings, PolicySettings
+from apiary.shared import topics
+from apiary.shared.config import MqttConfig
+from apiary.shared.protocol import DeviceState, Envelope, InferenceRequest, InferenceResult, Severity, encode, make
+from apiary.shared.transport import MqttTransport
 from tests.edge.helpers import DEVICE, SITE, RecordingModel, agent_process, question, reading
 from tests.shared.helpers import AclBroker, Inbox, forged_payload, publish_raw, wait_until
 

@@ -18,12 +18,12 @@ from typing import Iterator
 
 import pytest
 
-from edge.agent import EdgeAgent
-from edge.settings import EdgeSettings, OtaSettings, PolicySettings
-from shared import image, topics
-from shared.config import MqttConfig
-from shared.protocol import DeviceState, Envelope, OtaCommand, OtaStatus, SensorEvent, Severity, make
-from shared.transport import MqttTransport
+from apiary.edge.agent import EdgeAgent
+from apiary.edge.settings import EdgeSettings, OtaSettings, PolicySettings
+from apiary.shared import image, topics
+from apiary.shared.config import MqttConfig
+from apiary.shared.protocol import DeviceState, Envelope, OtaCommand, OtaStatus, SensorEvent, Severity, make
+from apiary.shared.transport import MqttTransport
 from tests.edge.helpers import DEVICE, SITE, FileServer, agent_process, reading
 from tests.shared.helpers import Inbox, wait_until
 
@@ -187,7 +187,7 @@ def test_edge_run_takes_an_update_over_mqtt_and_switches_models_while_answering(
 def builtin(tmp_path_factory: pytest.TempPathFactory, update: image.ImageInfo, keys: tuple[Path, Path]):
     """The device's built-in model: the 2027.1.0 image unpacked, as the shipped student is (its signed manifest
     beside the GGUF makes 2027.1.0 the version floor)."""
-    from edge.model import LocalModel
+    from apiary.edge.model import LocalModel
 
     dest = tmp_path_factory.mktemp("builtin")
     image.unpack_image(update.path, dest, keys[1])

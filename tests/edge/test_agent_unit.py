@@ -1,8 +1,8 @@
 """Pure pieces of the agent: stable ids and how a cloud reply becomes the final answer."""
 from __future__ import annotations
 
-from edge.agent import derived_id, final_from_reply
-from shared.protocol import InferenceResult
+from apiary.edge.agent import derived_id, final_from_reply
+from apiary.shared.protocol import InferenceResult
 
 DRAFT = InferenceResult(request_id="hive-01-7-abcd", site="north", device="hive-01", tier="edge", status="ok",
                         action={"assessment": "robbing", "action": "Reduce the entrance", "urgency": "medium",

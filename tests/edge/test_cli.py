@@ -6,7 +6,7 @@ from pathlib import Path
 import typer
 from typer.testing import CliRunner
 
-from edge.cli import register
+from apiary.edge.cli import register
 
 app = typer.Typer()
 register(app)
@@ -62,7 +62,7 @@ def test_answer_rejects_an_unknown_prompt_style(tmp_path: Path) -> None:
 
 
 def test_help_shows_config_sections_literally() -> None:
-    """`[mqtt]`, not `\\[mqtt]`, through `apiary edge` and `python -m edge` alike."""
+    """`[mqtt]`, not `\\[mqtt]`, through `apiary edge` and `python -m apiary.edge` alike."""
     import subprocess
     import sys
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edge.confidence import field_value_spans, measure, token_mask
-from edge.model import Generation
+from apiary.edge.confidence import field_value_spans, measure, token_mask
+from apiary.edge.model import Generation
 
 
 def generation(pieces: list[tuple[str, float, float]]) -> Generation:

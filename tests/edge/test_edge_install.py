@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.protocol import ASSESSMENTS
+from apiary.shared.protocol import ASSESSMENTS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -29,7 +29,7 @@ def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 
 
 def test_importing_the_edge_and_the_bridge_never_imports_the_cloud_stack() -> None:
-    code = ("import sys, edge.agent, edge.cli, firmware_bridge.bridge, firmware_bridge.cli, apiary.cli; "
+    code = ("import sys, apiary.edge.agent, apiary.edge.cli, apiary.firmware_bridge.bridge, apiary.firmware_bridge.cli, apiary.cli; "
             f"print([m for m in {CLOUD_ONLY!r} if m in sys.modules])")
     out = run([sys.executable, "-c", code], cwd=ROOT)
     assert out.returncode == 0, out.stderr

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from edge.energy import EnergyBudget, soc_from_voltage
-from edge.settings import DEFAULT_BATTERY_CURVE, PowerProfile
+from apiary.edge.energy import EnergyBudget, soc_from_voltage
+from apiary.edge.settings import DEFAULT_BATTERY_CURVE, PowerProfile
 
 CURVE = DEFAULT_BATTERY_CURVE
 

@@ -1,9 +1,9 @@
 """Escalations fit the wire: context is trimmed (fewest events, then shorter fields) before the cloud is given up."""
 from __future__ import annotations
 
-from edge.fitting import encoded_size, fit, too_large
-from shared.prompting import build_messages
-from shared.protocol import EdgeAttempt, InferenceRequest, SensorEvent, Severity
+from apiary.edge.fitting import encoded_size, fit, too_large
+from apiary.shared.prompting import build_messages
+from apiary.shared.protocol import EdgeAttempt, InferenceRequest, SensorEvent, Severity
 from tests.edge.helpers import DEVICE, SITE, reading
 
 LIMIT = 16 * 1024

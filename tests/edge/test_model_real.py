@@ -6,11 +6,11 @@ import json
 import numpy as np
 import pytest
 
-from edge.confidence import measure
-from edge.errors import EdgeError
-from edge.model import action_grammar
-from shared.prompting import ACTION_FIELDS, PREFIX, build_messages, parse_action
-from shared.protocol import ASSESSMENTS
+from apiary.edge.confidence import measure
+from apiary.edge.errors import EdgeError
+from apiary.edge.model import action_grammar
+from apiary.shared.prompting import ACTION_FIELDS, PREFIX, build_messages, parse_action
+from apiary.shared.protocol import ASSESSMENTS
 from tests.edge.helpers import SITUATIONS, question, reading
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from edge.errors import EdgeError
-from edge.model import LocalModel
-from shared.prompting import PROMPT_STYLE_KEY
+from apiary.edge.errors import EdgeError
+from apiary.edge.model import LocalModel
+from apiary.shared.prompting import PROMPT_STYLE_KEY
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -50,7 +50,7 @@ def test_the_registry_model_reads_the_examples_prompt(local_model) -> None:
 
 
 def test_edge_settings_pass_the_style_on(ggufs: dict[str, Path]) -> None:
-    from edge.settings import EdgeSettings
+    from apiary.edge.settings import EdgeSettings
 
     for setting, expected in (("auto", "short"), ("examples", "examples")):
         settings = EdgeSettings(model_path=str(ggufs["short"]), prompt_style=setting, n_ctx=256, threads=1)
@@ -67,7 +67,7 @@ def test_edge_answer_reports_the_style_it_asked_in(ggufs: dict[str, Path], tmp_p
     import typer
     from typer.testing import CliRunner
 
-    from edge.cli import register
+    from apiary.edge.cli import register
 
     app = typer.Typer()
     register(app)

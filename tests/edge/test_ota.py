@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from edge.ota import BootState, HealthCheckFailed, LlamaHealthCheck, OtaUpdater
-from shared import image, topics
-from shared.protocol import OtaCommand, OtaStatus
+from apiary.edge.ota import BootState, HealthCheckFailed, LlamaHealthCheck, OtaUpdater
+from apiary.shared import image, topics
+from apiary.shared.protocol import OtaCommand, OtaStatus
 from tests.edge.helpers import FileServer
 
 SITE, DEVICE = "farm-1", "hive-0007"
@@ -334,7 +334,7 @@ def test_corrupt_boot_state_boots_the_built_in_model(tmp_path: Path, keys: tuple
 @pytest.mark.timeout(120)
 def test_status_reaches_the_cloud_over_mosquitto(tmp_path: Path, server: FileServer, keys: tuple[Path, Path],
                                                  mosquitto) -> None:
-    from shared.transport import MqttTransport
+    from apiary.shared.transport import MqttTransport
 
     info = small_image(tmp_path, keys[0], "1.0.0")
     server.files["img.tar"] = info.path
@@ -399,7 +399,7 @@ def test_resume_works_against_a_starlette_file_route(tmp_path: Path, keys: tuple
 
 @pytest.mark.timeout(300)
 def test_probe_asks_the_model_in_its_own_prompt_style(ggufs: dict[str, Path]) -> None:
-    from edge.ota import probe_model
+    from apiary.edge.ota import probe_model
 
     for name, style in (("short", "short"), ("plain", "examples")):
         result = probe_model(ggufs[name], max_tokens=4, threads=1)
@@ -410,7 +410,7 @@ def test_probe_asks_the_model_in_its_own_prompt_style(ggufs: dict[str, Path]) ->
 
 
 def test_image_versions_order_by_their_numbers() -> None:
-    from edge.ota import is_older, version_key
+    from apiary.edge.ota import is_older, version_key
 
     assert is_older("2026.2.0", "2026.12.0") and not is_older("2026.12.0", "2026.2.0")
     assert is_older("v9", "v10") and is_older("1.0", "1.0.1") and not is_older("1.0.0", "1.0.0")
@@ -477,7 +477,7 @@ def test_an_update_the_disk_cannot_hold_with_the_stores_margin_is_refused(tmp_pa
 
 def test_a_low_battery_defers_the_update_and_pauses_a_download_which_resumes_later(
         tmp_path: Path, server: FileServer, keys: tuple[Path, Path]) -> None:
-    from edge.energy import EnergyBudget
+    from apiary.edge.energy import EnergyBudget
 
     info = small_image(tmp_path, keys[0], "1.0.0")
     server.files["img.tar"] = info.path

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from edge.policy import Attempt, EscalationPolicy, Situation
-from edge.settings import PolicySettings
-from shared.protocol import Severity
+from apiary.edge.policy import Attempt, EscalationPolicy, Situation
+from apiary.edge.settings import PolicySettings
+from apiary.shared.protocol import Severity
 
 
 def situation(**kw) -> Situation:

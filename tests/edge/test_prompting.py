@@ -1,4 +1,4 @@
-"""shared.prompting: the prompt both tiers use and the one action parser (no model needed)."""
+"""apiary.shared.prompting: the prompt both tiers use and the one action parser (no model needed)."""
 from __future__ import annotations
 
 import json
@@ -6,9 +6,9 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from shared.prompting import (ACTION_FIELDS, ACTION_JSON_SCHEMA, EXAMPLES, PREFIX, build_messages, describe_flag,
+from apiary.shared.prompting import (ACTION_FIELDS, ACTION_JSON_SCHEMA, EXAMPLES, PREFIX, build_messages, describe_flag,
                               parse_action)
-from shared.protocol import ASSESSMENTS, Action, Severity
+from apiary.shared.protocol import ASSESSMENTS, Action, Severity
 from tests.edge.helpers import question, reading
 
 GOOD = {"assessment": "heat_stress", "action": "Shade the hive", "urgency": "high", "explanation": "Hive at 40 C."}

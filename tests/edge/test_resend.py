@@ -1,7 +1,7 @@
 """The re-send schedule of unanswered escalations: at once on a new link, then after a doubling interval."""
 from __future__ import annotations
 
-from edge.resend import MAX_BACKOFF, ResendSchedule
+from apiary.edge.resend import MAX_BACKOFF, ResendSchedule
 
 
 def test_first_send_and_every_new_link_are_due_at_once() -> None:

@@ -1,10 +1,10 @@
 """The Responder asks the local model in the model's own prompt style (no real model: a recording double)."""
 from __future__ import annotations
 
-from edge.responder import Responder
-from edge.settings import EdgeSettings, PolicySettings
-from shared.prompting import build_messages
-from shared.protocol import Severity, encode, make
+from apiary.edge.responder import Responder
+from apiary.edge.settings import EdgeSettings, PolicySettings
+from apiary.shared.prompting import build_messages
+from apiary.shared.protocol import Severity, encode, make
 from tests.edge.helpers import SITUATIONS, RecordingModel, question, reading
 
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from edge.responder import Responder
-from edge.settings import EdgeSettings, PolicySettings, PowerProfile
-from shared.protocol import Severity
+from apiary.edge.responder import Responder
+from apiary.edge.settings import EdgeSettings, PolicySettings, PowerProfile
+from apiary.shared.protocol import Severity
 from tests.edge.helpers import SITUATIONS, question, reading
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -14,13 +14,13 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from edge.cli import register
+from apiary.edge.cli import register
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_edge_answer_runs_the_shipped_student_by_default() -> None:
-    from firmware_bridge.simulator import labelled_situations
+    from apiary.firmware_bridge.simulator import labelled_situations
 
     # `edge answer` has no earlier events; the student is weakest there on heat stress (docs/deploy.md).
     event = next(s.event for s in labelled_situations(12, seed=202) if s.label == "swarming")
@@ -37,11 +37,11 @@ def test_edge_answer_runs_the_shipped_student_by_default() -> None:
 
 def test_the_student_answers_held_out_hives_right() -> None:
     """One held-out situation per label and more (other simulated hives than training's), through the Responder."""
-    from edge.model import LocalModel
-    from edge.responder import Responder
-    from edge.settings import EdgeSettings
-    from firmware_bridge.simulator import labelled_situations
-    from shared import assets
+    from apiary.edge.model import LocalModel
+    from apiary.edge.responder import Responder
+    from apiary.edge.settings import EdgeSettings
+    from apiary.firmware_bridge.simulator import labelled_situations
+    from apiary.shared import assets
 
     settings = EdgeSettings(threads=2)
     model = LocalModel.from_settings(settings)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from edge.errors import EdgeError
-from edge.store import DeviceStore, OutboxItem
+from apiary.edge.errors import EdgeError
+from apiary.edge.store import DeviceStore, OutboxItem
 
 
 def item(id_: str, *, kind: str = "answer", priority: int = 6, created: float = 0.0, event: str = "ev",
@@ -111,7 +111,7 @@ def test_committed_rows_survive_kill_9(tmp_path: Path) -> None:
     path = tmp_path / "s.db"
     code = textwrap.dedent(f"""
         import os, signal
-        from edge.store import DeviceStore, OutboxItem
+        from apiary.edge.store import DeviceStore, OutboxItem
         s = DeviceStore({str(path)!r})
         for i in range(50):
             s.receive(f"e{{i}}", device="d", seq=i, ts=float(i), priority=6, payload=b"x")

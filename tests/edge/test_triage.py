@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from edge.triage import needs_answer, why
-from firmware_bridge.simulator import labelled_situations
+from apiary.edge.triage import needs_answer, why
+from apiary.firmware_bridge.simulator import labelled_situations
 
 
 def test_no_anomaly_is_skipped_and_most_quiet_readings_are() -> None:
@@ -21,7 +21,7 @@ def test_no_anomaly_is_skipped_and_most_quiet_readings_are() -> None:
 
 
 def test_a_quiet_reading_right_after_flagged_ones_stays_watched() -> None:
-    from shared.protocol import SensorEvent
+    from apiary.shared.protocol import SensorEvent
 
     base = dict(site="s", device="hive-1", seq=1, timestamp=1.0, readings={"bee_traffic": 100.0})
     quiet = SensorEvent(**base)

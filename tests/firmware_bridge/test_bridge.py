@@ -9,12 +9,12 @@ import time
 
 import pytest
 
-from firmware_bridge.bridge import Bridge, death_will
-from firmware_bridge.frames import encode_frame
-from firmware_bridge.settings import BridgeSettings
-from firmware_bridge.store import BridgeStore
-from shared import topics
-from shared.protocol import DeviceState, Envelope, SensorEvent, Severity, decode, encode
+from apiary.firmware_bridge.bridge import Bridge, death_will
+from apiary.firmware_bridge.frames import encode_frame
+from apiary.firmware_bridge.settings import BridgeSettings
+from apiary.firmware_bridge.store import BridgeStore
+from apiary.shared import topics
+from apiary.shared.protocol import DeviceState, Envelope, SensorEvent, Severity, decode, encode
 
 READINGS = {"hive_temp_c": 34.5, "hive_weight_kg": 40.0, "battery_v": 3.95}
 

@@ -14,13 +14,13 @@ import pytest
 from typer.testing import CliRunner
 
 from apiary.cli import app
-from firmware_bridge.bridge import connect
-from firmware_bridge.settings import BridgeSettings
-from firmware_bridge.simulator import FdSink, Fleet, UdpSink
-from firmware_bridge.sources import open_serial, open_udp, run_serial, run_udp
-from shared import topics
-from shared.protocol import DeviceState, SensorEvent
-from shared.transport import MqttTransport
+from apiary.firmware_bridge.bridge import connect
+from apiary.firmware_bridge.settings import BridgeSettings
+from apiary.firmware_bridge.simulator import FdSink, Fleet, UdpSink
+from apiary.firmware_bridge.sources import open_serial, open_udp, run_serial, run_udp
+from apiary.shared import topics
+from apiary.shared.protocol import DeviceState, SensorEvent
+from apiary.shared.transport import MqttTransport
 
 
 class Collector:
@@ -207,7 +207,7 @@ def test_the_udp_bridge_remembers_what_it_published_across_a_kill_9(mosquitto, c
     import subprocess
     import sys
 
-    from firmware_bridge.frames import encode_frame
+    from apiary.firmware_bridge.frames import encode_frame
 
     readings = {"hive_temp_c": 34.5, "battery_v": 3.9}
     recorded = [encode_frame(3, seq, 1_750_000_000 + seq, readings, boot=4) for seq in range(100, 120)]

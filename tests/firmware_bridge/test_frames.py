@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from firmware_bridge import frames as F
-from firmware_bridge.errors import BridgeError, FrameError
+from apiary.firmware_bridge import frames as F
+from apiary.firmware_bridge.errors import BridgeError, FrameError
 
 FULL = {"hive_temp_c": 34.56, "hive_humidity_pct": 61.2, "ambient_temp_c": -3.25, "hive_weight_kg": 42.125,
         "acoustic_db": 55.5, "acoustic_freq_hz": 247.3, "bee_traffic": 1234, "battery_v": 3.912, "solar_w": 4.75}

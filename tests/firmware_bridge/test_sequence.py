@@ -1,7 +1,7 @@
 """Per-device sequence tracking: gaps, duplicates, late arrivals, restarts, u32 wrap-around."""
 from __future__ import annotations
 
-from firmware_bridge.sequence import SequenceTracker, Verdict
+from apiary.firmware_bridge.sequence import SequenceTracker, Verdict
 
 
 def run(tracker, pairs):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import socket
 
-from firmware_bridge.settings import load_settings
+from apiary.firmware_bridge.settings import load_settings
 
 
 def test_default_names_carry_the_host_and_the_role(tmp_path) -> None:

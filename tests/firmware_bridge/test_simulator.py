@@ -5,13 +5,13 @@ import statistics
 
 import pytest
 
-from firmware_bridge.errors import BridgeError
-from firmware_bridge.frames import decode_frame
-from firmware_bridge.simulator import (ANOMALIES, DAY, HOUR, SPECS, SWARM_DEPARTURE, Fleet, emit,
+from apiary.firmware_bridge.errors import BridgeError
+from apiary.firmware_bridge.frames import decode_frame
+from apiary.firmware_bridge.simulator import (ANOMALIES, DAY, HOUR, SPECS, SWARM_DEPARTURE, Fleet, emit,
                                        labelled_situations)
-from firmware_bridge.stream import StreamReader
-from firmware_bridge.thresholds import assess
-from shared.protocol import ASSESSMENTS, Severity
+from apiary.firmware_bridge.stream import StreamReader
+from apiary.firmware_bridge.thresholds import assess
+from apiary.shared.protocol import ASSESSMENTS, Severity
 
 
 def run_hive(days=3.0, interval=600.0, seed=2, **profile):
@@ -186,8 +186,8 @@ def test_bad_input_is_a_bridge_error(call, match):
 def test_pty_sink_waits_for_its_reader_and_drains_before_closing():
     import threading
 
-    from firmware_bridge.simulator import PtySink
-    from firmware_bridge.sources import open_serial
+    from apiary.firmware_bridge.simulator import PtySink
+    from apiary.firmware_bridge.sources import open_serial
 
     fleet = Fleet(1, 3, seed=2)
     frames = [f for f, _ in zip(fleet.frames(), range(300))]

@@ -5,9 +5,9 @@ import sqlite3
 
 import pytest
 
-from firmware_bridge.errors import BridgeError
-from firmware_bridge.frames import Frame
-from firmware_bridge.store import BridgeStore, _pack
+from apiary.firmware_bridge.errors import BridgeError
+from apiary.firmware_bridge.frames import Frame
+from apiary.firmware_bridge.store import BridgeStore, _pack
 
 
 def frame(seq: int, device_id: int = 1) -> Frame:

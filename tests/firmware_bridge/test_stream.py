@@ -6,8 +6,8 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from firmware_bridge import frames as F
-from firmware_bridge.stream import StreamReader
+from apiary.firmware_bridge import frames as F
+from apiary.firmware_bridge.stream import StreamReader
 
 READINGS = {"hive_temp_c": 34.5, "hive_weight_kg": 40.25, "battery_v": 3.95, "bee_traffic": 812}
 

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from firmware_bridge.settings import BridgeSettings, load_settings
-from firmware_bridge.thresholds import Limits, Thresholds, assess
-from shared.config import ConfigError
-from shared.protocol import Severity
+from apiary.firmware_bridge.settings import BridgeSettings, load_settings
+from apiary.firmware_bridge.thresholds import Limits, Thresholds, assess
+from apiary.shared.config import ConfigError
+from apiary.shared.protocol import Severity
 
 NORMAL = {"hive_temp_c": 34.6, "hive_humidity_pct": 58.0, "ambient_temp_c": 21.0, "hive_weight_kg": 41.2,
           "acoustic_db": 55.0, "acoustic_freq_hz": 245.0, "bee_traffic": 1800.0, "battery_v": 3.95, "solar_w": 4.0}
@@ -101,7 +101,7 @@ def test_default_settings():
 
 
 def test_watch_levels_flag_elevated_readings_without_raising_severity() -> None:
-    from firmware_bridge.thresholds import assess
+    from apiary.firmware_bridge.thresholds import assess
 
     severity, flags = assess({"bee_traffic": 4500.0, "acoustic_freq_hz": 270.0, "acoustic_db": 50.0})
     assert severity.value == "info" and sorted(flags) == ["acoustic_freq_hz_elevated", "bee_traffic_elevated"]

@@ -15,14 +15,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels import ops  # noqa: E402
+from apiary.kernels import ops  # noqa: E402
 
 
 def _triton_runs_on(device: str) -> str | None:
     """Why Triton cannot run on ``device`` in this process, or None if it can."""
     if not ops.triton_available():
         return "triton is not installed"
-    from kernels import triton_support
+    from apiary.kernels import triton_support
 
     if device == "cuda":
         if not torch.cuda.is_available():

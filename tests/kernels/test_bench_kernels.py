@@ -12,7 +12,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from bench import kernels as bench_kernels
+from apiary.bench import kernels as bench_kernels
 
 
 def test_peak_bandwidth_from_device_name():

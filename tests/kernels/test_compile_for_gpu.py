@@ -20,14 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import ops
+from apiary.kernels import ops
 
 SCRIPT = textwrap.dedent('''
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels import kv_cache, paged_attention as pa, rms_norm, rotary
+    from apiary.kernels import kv_cache, paged_attention as pa, rms_norm, rotary
 
     def build(fn, dt, types, constexprs):
         sig = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in fn.arg_names}

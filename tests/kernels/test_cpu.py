@@ -1,7 +1,7 @@
 """CPU feature detection: decisions from /proc/cpuinfo text, for the hosts these machines have been."""
 from __future__ import annotations
 
-from kernels import cpu
+from apiary.kernels import cpu
 
 # An AVX2 + FMA host without AVX-512 or bf16 (an AMD EPYC guest, as on 2026-12-01), abridged.
 AVX2_HOST = """processor\t: 0

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import ops, reference
-from kernels.errors import KernelError
+from apiary.kernels import ops, reference
+from apiary.kernels.errors import KernelError
 from tests.kernels.cases import make_case
 
 

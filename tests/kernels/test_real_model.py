@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import ops, reference
+from apiary.kernels import ops, reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

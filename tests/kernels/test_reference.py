@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import reference
+from apiary.kernels import reference
 from tests.kernels.cases import dense_attention, make_case, tolerance
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -117,7 +117,7 @@ def test_gather_buffer_survives_switching_inference_mode() -> None:
     """The engine runs under inference_mode, other callers do not: the reused CPU buffer must serve both."""
     import torch
 
-    from kernels import reference
+    from apiary.kernels import reference
 
     k_cache = torch.randn(4, 16, 2, 8)
     v_cache = torch.randn(4, 16, 2, 8)

@@ -1,4 +1,4 @@
-"""Every Triton kernel, called through ``kernels.ops`` with the Triton backend forced, against the torch reference.
+"""Every Triton kernel, called through ``apiary.kernels.ops`` with the Triton backend forced, against the torch reference.
 
 On CPU these run in the Triton interpreter; on CUDA, compiled. Shapes are small (the interpreter
 is slow) but cover ragged lengths, block boundaries, GQA ratios 1/3/4/8, length 1, exactly one
@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from kernels import ops, reference
+from apiary.kernels import ops, reference
 from tests.kernels.cases import dense_attention, make_case, tolerance
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -58,7 +58,7 @@ def _fp32(*tensors: torch.Tensor) -> list[torch.Tensor]:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", DECODE_SHAPES, ids=lambda s: f"ctx{s[0]}-h{s[1]}x{s[2]}-d{s[3]}-w{s[5]}-p{s[6]}")
 def test_paged_decode_attention(shape, dtype, device, triton_backend):
-    from kernels import paged_attention
+    from apiary.kernels import paged_attention
 
     ctx, hq, hkv, d, bs, window, partition = shape
     c = make_case(ctx, [1] * len(ctx), hq, hkv, d, bs, dtype, device)
@@ -74,7 +74,7 @@ def test_paged_decode_attention(shape, dtype, device, triton_backend):
 
 def test_split_k_merge_is_exact_in_fp32(device, triton_backend):
     """Splitting one long context into 1, 2, 4, ... partitions must not change the answer beyond fp32 noise."""
-    from kernels import paged_attention
+    from apiary.kernels import paged_attention
 
     c = make_case([256, 255, 129], [1, 1, 1], 8, 2, 32, 16, torch.float32, device)
     gold = dense_attention(c)
@@ -86,7 +86,7 @@ def test_split_k_merge_is_exact_in_fp32(device, triton_backend):
 
 def test_decode_is_stable_with_huge_scores(device, triton_backend):
     """Scores of several hundred overflow a naive fp32 exp; the online softmax and the split merge must not."""
-    from kernels import paged_attention
+    from apiary.kernels import paged_attention
 
     c = make_case([70, 33], [1, 1], 4, 2, 32, 16, torch.float32, device)
     c.q.mul_(300.0)

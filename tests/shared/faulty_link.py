@@ -12,8 +12,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Literal
 
-from shared.brokers import free_port
-from shared.config import MqttConfig
+from apiary.shared.brokers import free_port
+from apiary.shared.config import MqttConfig
 
 PACKET_TYPES = {1: "CONNECT", 2: "CONNACK", 3: "PUBLISH", 4: "PUBACK", 5: "PUBREC", 6: "PUBREL", 7: "PUBCOMP",
                 8: "SUBSCRIBE", 9: "SUBACK", 10: "UNSUBSCRIBE", 11: "UNSUBACK", 12: "PINGREQ", 13: "PINGRESP",

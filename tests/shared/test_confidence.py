@@ -1,4 +1,4 @@
-"""shared.confidence: the one quantile rule both tiers score their answers with (pure functions)."""
+"""apiary.shared.confidence: the one quantile rule both tiers score their answers with (pure functions)."""
 from __future__ import annotations
 
 import math
@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from shared.confidence import MIN_LOGPROB, measure, token_mask, topk_entropy
+from apiary.shared.confidence import MIN_LOGPROB, measure, token_mask, topk_entropy
 
 TEXT = '{"explanation": "Hot.", "assessment": "heat_stress", "urgency": "high", "action": "Shade"}'
 PIECES = ['{"explanation": "', "Hot.", '", "assessment": "', "heat", "_stress", '", "urgency": "', "high",

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from shared.config import ConfigError, MqttConfig, load_section
+from apiary.shared.config import ConfigError, MqttConfig, load_section
 
 
 class Edge(BaseModel):

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared import identity, topics
-from shared.protocol import DeviceState, InferenceResult, SensorEvent, make
+from apiary.shared import identity, topics
+from apiary.shared.protocol import DeviceState, InferenceResult, SensorEvent, make
 
 
 def state(site: str = "s1", device: str = "hive-0001"):

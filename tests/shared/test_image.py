@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from shared import image
-from shared.image import ImageError
+from apiary.shared import image
+from apiary.shared.image import ImageError
 
 
 @pytest.fixture

@@ -4,9 +4,9 @@ from __future__ import annotations
 from typer.testing import CliRunner
 
 from apiary.cli import app
-from cloud.settings import CloudSettings, load_settings
-from shared import assets
-from shared.model_ids import aliases, model_id
+from apiary.cloud.settings import CloudSettings, load_settings
+from apiary.shared import assets
+from apiary.shared.model_ids import aliases, model_id
 
 NAME = "smollm2-135m-q4"
 FILE = assets.REGISTRY[NAME].filename  # SmolLM2-135M-Instruct.Q4_1.gguf

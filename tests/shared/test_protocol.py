@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared import protocol as p
+from apiary.shared import protocol as p
 
 EVENT = p.SensorEvent(site="meadow", device="hive-0001", seq=7, timestamp=1.7e9,
                       readings={"hive_temp_c": 35.2, "hive_weight_kg": 41.5}, severity=p.Severity.WARNING,

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared import topics
+from apiary.shared import topics
 
 
 def test_builders_and_parse_round_trip() -> None:

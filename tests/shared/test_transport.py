@@ -11,12 +11,12 @@ from typing import Callable, Iterator
 import paho.mqtt.client as paho
 import pytest
 
-from shared import topics
-from shared.brokers import AUTH_CONFIG, TLS_CONFIG, MosquittoBroker, free_port, make_password_file
-from shared.config import MqttConfig
-from shared.protocol import (ChatMessage, DeviceState, EdgeAttempt, Envelope, InferenceRequest, InferenceResult,
+from apiary.shared import topics
+from apiary.shared.brokers import AUTH_CONFIG, TLS_CONFIG, MosquittoBroker, free_port, make_password_file
+from apiary.shared.config import MqttConfig
+from apiary.shared.protocol import (ChatMessage, DeviceState, EdgeAttempt, Envelope, InferenceRequest, InferenceResult,
                              OtaCommand, OtaStatus, ProtocolError, SensorEvent, Severity, encode, make)
-from shared.transport import MqttTransport, RecentIds, TransportError
+from apiary.shared.transport import MqttTransport, RecentIds, TransportError
 from tests.shared.faulty_link import Fault, FaultyLink
 from tests.shared.helpers import Inbox, device_with_will, wait_until
 
@@ -102,12 +102,12 @@ def test_a_refused_broker_is_reported_at_the_first_attempt_with_the_retry_policy
     monkeypatch.setattr(t, "_attempt", lambda *a: order.append("attempt") or attempt(*a))
     handler = logging.Handler()
     handler.emit = lambda record: order.append(record.getMessage())
-    logging.getLogger("shared.transport").addHandler(handler)
+    logging.getLogger("apiary.shared.transport").addHandler(handler)
     try:
         with pytest.raises(TransportError, match="ConnectionRefused"):
             t.start(timeout=1.0)
     finally:
-        logging.getLogger("shared.transport").removeHandler(handler)
+        logging.getLogger("apiary.shared.transport").removeHandler(handler)
     reports = [line for line in order if line != "attempt"]
     assert order.count("attempt") > 2 and order[0] == "attempt" and order[1] == reports[0], order
     assert len(reports) == 1 and "ConnectionRefused" in reports[0], reports

@@ -3,8 +3,8 @@
 Modules: ``config`` (SpeculativeConfig), ``ngram`` and ``draft`` (proposers), ``rejection``
 (the acceptance rule), ``policy`` (adaptive k, switch-off under load), ``speculator`` (the
 per-step glue the engine calls), ``stats`` (metrics). Only the config is imported here, so
-``cloud.engine.config`` can depend on it without an import cycle.
+``apiary.cloud.engine.config`` can depend on it without an import cycle.
 """
-from cloud.engine.spec.config import SpeculativeConfig
+from apiary.cloud.engine.spec.config import SpeculativeConfig
 
 __all__ = ["SpeculativeConfig"]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cloud.engine.model import AttentionMetadata, paged_layout
+from apiary.cloud.engine.model import AttentionMetadata, paged_layout
 
 
 @dataclass(slots=True)

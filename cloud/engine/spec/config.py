@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from cloud.engine.errors import EngineError
+from apiary.cloud.engine.errors import EngineError
 
 METHODS = ("ngram", "draft")
 

@@ -18,15 +18,15 @@ from typing import Callable
 
 import torch
 
-from cloud.engine import host_memory
-from cloud.engine.block_manager import BlockManager
-from cloud.engine.errors import EngineError
-from cloud.engine.loader import Checkpoint, load_checkpoint
-from cloud.engine.model import LlamaModel
-from cloud.engine.outputs import RequestMetrics
-from cloud.engine.sequence import Sequence
-from cloud.engine.spec.batching import Entry, build_inputs
-from cloud.engine.sampling import Row, draw, sampling_probs
+from apiary.cloud.engine import host_memory
+from apiary.cloud.engine.block_manager import BlockManager
+from apiary.cloud.engine.errors import EngineError
+from apiary.cloud.engine.loader import Checkpoint, load_checkpoint
+from apiary.cloud.engine.model import LlamaModel
+from apiary.cloud.engine.outputs import RequestMetrics
+from apiary.cloud.engine.sequence import Sequence
+from apiary.cloud.engine.spec.batching import Entry, build_inputs
+from apiary.cloud.engine.sampling import Row, draw, sampling_probs
 
 
 CATCH_UP_TOKENS = 512

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cloud.engine.sampling_params import SamplingParams
-from cloud.engine.sampling import TokenLogprob, draw, race, race_noise, sampling_probs
+from apiary.cloud.engine.sampling_params import SamplingParams
+from apiary.cloud.engine.sampling import TokenLogprob, draw, race, race_noise, sampling_probs
 
 
 @dataclass(slots=True)

@@ -14,17 +14,17 @@ from typing import Any, Callable
 
 import torch
 
-from cloud.engine.block_manager import BlockManager
-from cloud.engine.errors import EngineError
-from cloud.engine.scheduler import ScheduledBatch
-from cloud.engine.sequence import Sequence
-from cloud.engine.spec.config import METHODS, SpeculativeConfig
-from cloud.engine.sampling import Row, logprobs_of
-from cloud.engine.spec.draft import DraftProposer, ProcessFn
-from cloud.engine.spec.ngram import NgramProposer
-from cloud.engine.spec.policy import AdaptivePolicy, StepCosts
-from cloud.engine.spec.rejection import Verdict, verify
-from cloud.engine.spec.stats import SpecStats
+from apiary.cloud.engine.block_manager import BlockManager
+from apiary.cloud.engine.errors import EngineError
+from apiary.cloud.engine.scheduler import ScheduledBatch
+from apiary.cloud.engine.sequence import Sequence
+from apiary.cloud.engine.spec.config import METHODS, SpeculativeConfig
+from apiary.cloud.engine.sampling import Row, logprobs_of
+from apiary.cloud.engine.spec.draft import DraftProposer, ProcessFn
+from apiary.cloud.engine.spec.ngram import NgramProposer
+from apiary.cloud.engine.spec.policy import AdaptivePolicy, StepCosts
+from apiary.cloud.engine.spec.rejection import Verdict, verify
+from apiary.cloud.engine.spec.stats import SpecStats
 
 
 @dataclass(slots=True)

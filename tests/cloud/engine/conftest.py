@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cloud.engine import EngineConfig, LLMEngine
-from cloud.engine.sequence import Sequence
+from apiary.cloud.engine import EngineConfig, LLMEngine
+from apiary.cloud.engine.sequence import Sequence
 from tests.cloud.engine.tiny import make_checkpoint
 
 

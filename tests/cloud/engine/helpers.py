@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import itertools
 
-from cloud.engine.outputs import RequestMetrics
-from cloud.engine.sampling_params import SamplingParams
-from cloud.engine.sequence import Sequence
+from apiary.cloud.engine.outputs import RequestMetrics
+from apiary.cloud.engine.sampling_params import SamplingParams
+from apiary.cloud.engine.sequence import Sequence
 
 _arrivals = itertools.count()
 

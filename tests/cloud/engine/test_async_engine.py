@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cloud.engine import AsyncEngine, EngineError, EngineOverloaded, RequestRejected, SamplingParams
+from apiary.cloud.engine import AsyncEngine, EngineError, EngineOverloaded, RequestRejected, SamplingParams
 from tests.cloud.engine.test_engine import engine_for, prompts
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,7 +1,7 @@
 """Block manager: allocation, freeing, ref counts, chained hashes, prefix hits, LRU eviction, rollback."""
 from __future__ import annotations
 
-from cloud.engine.block_manager import ROOT_HASH, BlockManager, chain_hash
+from apiary.cloud.engine.block_manager import ROOT_HASH, BlockManager, chain_hash
 from tests.cloud.engine.helpers import make_seq
 
 

@@ -6,10 +6,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cloud.engine import cpu_attention
-from cloud.engine.config import EngineConfig
-from cloud.engine.errors import EngineError
-from kernels import reference
+from apiary.cloud.engine import cpu_attention
+from apiary.cloud.engine.config import EngineConfig
+from apiary.cloud.engine.errors import EngineError
+from apiary.kernels import reference
 from tests.kernels.cases import dense_attention, make_case, tolerance
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -91,7 +91,7 @@ def test_engine_config_names_the_backend():
 def test_real_model_batched_tokens_match_the_torch_backend(real_engine, gguf_path):
     """16 mixed-length SmolLM2 requests decoded together: the numba kernel (the default on CPU) and
     the torch reference pick the same greedy tokens, or differ only at near-ties."""
-    from cloud.engine import LLMEngine, SamplingParams
+    from apiary.cloud.engine import LLMEngine, SamplingParams
     from tests.cloud.engine.test_real_batching import check_same_or_near_tie, generate_all, make_prompts
 
     assert real_engine.runner.model.ragged_decode

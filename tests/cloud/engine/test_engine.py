@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from cloud.engine import (EngineConfig, EngineError, EngineOverloaded, LLMEngine, RequestOutput, RequestRejected,
+from apiary.cloud.engine import (EngineConfig, EngineError, EngineOverloaded, LLMEngine, RequestOutput, RequestRejected,
                           SamplingParams)
 
 WORDS = "hive bees queen brood honey sensor weight humidity nectar swarm comb wax frame entrance".split()

@@ -9,7 +9,7 @@ import pytest
 
 import torch
 
-from cloud.engine.host_memory import HUGE_PAGE, advise_huge_pages, keep_freed_memory, zeros
+from apiary.cloud.engine.host_memory import HUGE_PAGE, advise_huge_pages, keep_freed_memory, zeros
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cloud.engine.linear import Linear
-from kernels import cpu
+from apiary.cloud.engine.linear import Linear
+from apiary.kernels import cpu
 from tests.kernels.test_cpu import AVX2_HOST
 
 PACKABLE = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from cloud.engine import EngineConfig, LLMEngine
-from cloud.engine.errors import EngineError
-from kernels import cpu
+from apiary.cloud.engine import EngineConfig, LLMEngine
+from apiary.cloud.engine.errors import EngineError
+from apiary.kernels import cpu
 from tests.cloud.engine.conftest import prompt_logits
 
 PROMPT = ("<|im_start|>user\nThe hive scale reads 41.3 kg, up 0.8 kg since yesterday; humidity 61%. "

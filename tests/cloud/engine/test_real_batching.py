@@ -11,8 +11,8 @@ import random
 
 import pytest
 
-from cloud.engine import LLMEngine, SamplingParams
-from cloud.engine.sequence import Sequence
+from apiary.cloud.engine import LLMEngine, SamplingParams
+from apiary.cloud.engine.sequence import Sequence
 from tests.cloud.engine.conftest import prompt_logits
 
 SYSTEM = ("You are the assistant of a beekeeper. Hive sensors report temperature, humidity and weight every "

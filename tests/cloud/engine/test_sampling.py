@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 
-from cloud.engine.errors import RequestRejected
-from cloud.engine.outputs import RequestMetrics
-from cloud.engine.sampling import Row, apply_bitmask, logprobs_of, probs, process, sample, temper
-from cloud.engine.sampling_params import SamplingParams, StructuredOutput
-from cloud.engine.sequence import Sequence
+from apiary.cloud.engine.errors import RequestRejected
+from apiary.cloud.engine.outputs import RequestMetrics
+from apiary.cloud.engine.sampling import Row, apply_bitmask, logprobs_of, probs, process, sample, temper
+from apiary.cloud.engine.sampling_params import SamplingParams, StructuredOutput
+from apiary.cloud.engine.sequence import Sequence
 from tests.cloud.engine.test_speculative_units import chi_square_pvalue
 
 V = 40

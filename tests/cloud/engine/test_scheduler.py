@@ -4,10 +4,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cloud.engine.block_manager import BlockManager
-from cloud.engine.config import EngineConfig
-from cloud.engine.scheduler import ScheduledBatch, Scheduler
-from cloud.engine.sequence import Sequence, SequenceStatus
+from apiary.cloud.engine.block_manager import BlockManager
+from apiary.cloud.engine.config import EngineConfig
+from apiary.cloud.engine.scheduler import ScheduledBatch, Scheduler
+from apiary.cloud.engine.sequence import Sequence, SequenceStatus
 from tests.cloud.engine.helpers import make_seq
 
 

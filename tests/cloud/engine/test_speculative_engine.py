@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from cloud.engine import AsyncEngine, EngineConfig, EngineError, LLMEngine, SamplingParams, SpeculativeConfig
-from cloud.engine.spec import rejection
-from cloud.engine.spec.batching import Entry, build_inputs
-from cloud.engine.sampling import sampling_probs
+from apiary.cloud.engine import AsyncEngine, EngineConfig, EngineError, LLMEngine, SamplingParams, SpeculativeConfig
+from apiary.cloud.engine.spec import rejection
+from apiary.cloud.engine.spec.batching import Entry, build_inputs
+from apiary.cloud.engine.sampling import sampling_probs
 from tests.cloud.engine.test_speculative_units import chi_square_pvalue, tiny_weights
-from cloud.engine.config import ModelConfig
+from apiary.cloud.engine.config import ModelConfig
 
 VOCAB = 8
 PROMPT = [1, 2, 3, 1, 2]

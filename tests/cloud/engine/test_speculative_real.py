@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cloud.engine import EngineConfig, LLMEngine, SamplingParams, SpeculativeConfig
+from apiary.cloud.engine import EngineConfig, LLMEngine, SamplingParams, SpeculativeConfig
 from tests.cloud.engine.test_real_batching import check_same_or_near_tie
 
 FREE = ["Why do bees dance? Answer in one sentence.", "List three things a beekeeper checks in spring."]
@@ -23,8 +23,8 @@ def spec_engine(gguf_path: Path) -> LLMEngine:
 
 
 def prompts_for(engine: LLMEngine) -> list[list[int]]:
-    from firmware_bridge.simulator import labelled_situations
-    from shared.prompting import build_messages
+    from apiary.firmware_bridge.simulator import labelled_situations
+    from apiary.shared.prompting import build_messages
 
     tok = engine.tokenizer
     out = []

@@ -8,18 +8,18 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from cloud.engine.config import ModelConfig
-from cloud.engine.errors import EngineError
-from cloud.engine.model import LlamaModel
-from cloud.engine.outputs import RequestMetrics
-from cloud.engine.sampling_params import SamplingParams
-from cloud.engine.sequence import Sequence
-from cloud.engine.spec import SpeculativeConfig, rejection
-from cloud.engine.spec.draft import DraftProposer
-from cloud.engine.spec.ngram import NgramHistory, NgramIndex, NgramProposer
-from cloud.engine.spec.policy import AdaptivePolicy, StepCosts, expected_tokens
-from cloud.engine.spec.rejection import verify
-from cloud.engine.spec.batching import Entry, build_inputs
+from apiary.cloud.engine.config import ModelConfig
+from apiary.cloud.engine.errors import EngineError
+from apiary.cloud.engine.model import LlamaModel
+from apiary.cloud.engine.outputs import RequestMetrics
+from apiary.cloud.engine.sampling_params import SamplingParams
+from apiary.cloud.engine.sequence import Sequence
+from apiary.cloud.engine.spec import SpeculativeConfig, rejection
+from apiary.cloud.engine.spec.draft import DraftProposer
+from apiary.cloud.engine.spec.ngram import NgramHistory, NgramIndex, NgramProposer
+from apiary.cloud.engine.spec.policy import AdaptivePolicy, StepCosts, expected_tokens
+from apiary.cloud.engine.spec.rejection import verify
+from apiary.cloud.engine.spec.batching import Entry, build_inputs
 
 
 def chi_square_pvalue(observed: torch.Tensor, expected_probs: torch.Tensor, min_expected: float = 5.0) -> float:
@@ -88,7 +88,7 @@ def test_chi_square_catches_a_verifier_that_skips_the_residual(monkeypatch) -> N
 def test_replay_emits_plain_decodings_tokens_and_random_stream(proposal: str) -> None:
     """n-gram proposals and seeded rows: the tokens plain decoding draws from the same seed, kept while the
     drafts agree, and the generator left where plain decoding leaves it (one race per emitted token)."""
-    from cloud.engine.sampling import draw, race_noise
+    from apiary.cloud.engine.sampling import draw, race_noise
 
     k = 3
     p = torch.softmax(torch.randn(k + 1, VOCAB, generator=torch.Generator().manual_seed(4)), -1)
@@ -159,7 +159,7 @@ def test_residual_of_identical_distributions_falls_back_to_p() -> None:
 
 def test_sampling_probs_match_the_engine_sampler() -> None:
     """top-k / top-p masks and temperature as the engine's sampler applies them (empirically, same seed noise)."""
-    from cloud.engine.sampling import Row, sample, sampling_probs
+    from apiary.cloud.engine.sampling import Row, sample, sampling_probs
 
     logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(5)) * 2
     params = SamplingParams(temperature=1.5, top_k=6, top_p=0.9, seed=0)
@@ -309,7 +309,7 @@ def test_idle_sequences_drift_back_to_the_prior() -> None:
 
 def test_a_stale_step_time_is_reprobed() -> None:
     """Sizes measured during a load spike switch speculation off, but every PROBE_EVERY steps it is retried."""
-    from cloud.engine.spec.policy import PROBE_EVERY
+    from apiary.cloud.engine.spec.policy import PROBE_EVERY
 
     policy = AdaptivePolicy(4, 16, 0.3, 0.9, costs_from({1: 1.0, **{n: 100.0 for n in range(2, 10)}}))
     decisions = [policy.choose(["a"], [4], 1) for _ in range(3 * PROBE_EVERY + 3)]
@@ -417,7 +417,7 @@ def test_draft_proposals_equal_full_recompute_through_catch_up_and_rollback() ->
 
 
 def test_draft_catch_up_is_bounded_per_step(monkeypatch) -> None:
-    from cloud.engine.spec import draft as draft_module
+    from apiary.cloud.engine.spec import draft as draft_module
 
     monkeypatch.setattr(draft_module, "CATCH_UP_TOKENS", 20)
     draft = DraftProposer(tiny_model(), num_blocks=64, block_size=4)

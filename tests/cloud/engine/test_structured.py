@@ -15,8 +15,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from cloud.engine import LLMEngine, RequestRejected, SamplingParams, SpeculativeConfig
-from cloud.engine.sampling_params import StructuredOutput
+from apiary.cloud.engine import LLMEngine, RequestRejected, SamplingParams, SpeculativeConfig
+from apiary.cloud.engine.sampling_params import StructuredOutput
 from tests.cloud.engine.conftest import prompt_logits
 from tests.cloud.engine.test_engine import engine_for, prompts
 
@@ -182,8 +182,8 @@ def test_a_valid_greedy_answer_is_left_alone_and_logprobs_match_float64(real_eng
     float64 log-softmax of the model's logits over the tokens the grammar allowed at that step."""
     import llguidance
 
-    from firmware_bridge.simulator import labelled_situations
-    from shared.prompting import ACTION_JSON_SCHEMA, build_messages
+    from apiary.firmware_bridge.simulator import labelled_situations
+    from apiary.shared.prompting import ACTION_JSON_SCHEMA, build_messages
 
     engine = real_engine
     tok = engine.tokenizer

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cloud.engine import EngineConfig, threads
-from cloud.engine.model_runner import resolve_dtype
-from kernels import cpu
+from apiary.cloud.engine import EngineConfig, threads
+from apiary.cloud.engine.model_runner import resolve_dtype
+from apiary.kernels import cpu
 from tests.kernels.test_cpu import AMX_HOST, AVX2_HOST
 
 
@@ -59,14 +59,14 @@ def test_environment_gets_passive_waits_and_counts_unless_the_operator_chose() -
 
 
 def test_importing_the_engine_sets_the_policy_before_torch_and_numba_load() -> None:
-    """In a fresh interpreter: ``import cloud.engine`` sets the env before its own torch/numba imports."""
+    """In a fresh interpreter: ``import apiary.cloud.engine`` sets the env before its own torch/numba imports."""
     import json
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "KMP_BLOCKTIME", "OMP_NUM_THREADS",
                                                            "NUMBA_NUM_THREADS")}
-    code = ("import json, os, torch, numba; from cloud.engine import threads; "
+    code = ("import json, os, torch, numba; from apiary.cloud.engine import threads; "
             "print(json.dumps([threads.STATE.late, os.environ['OMP_WAIT_POLICY'], os.environ['OMP_NUM_THREADS'], "
             "torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS, threads.report()]))")
 
@@ -76,7 +76,7 @@ def test_importing_the_engine_sets_the_policy_before_torch_and_numba_load() -> N
 
     late, *_, line = run(code)  # torch and numba first: too late for their pools, and the report says so
     assert late == ["torch", "numba"] and "torch was imported before cloud.engine" in line
-    late, policy, omp, torch_threads, numba_threads, line = run("import cloud.engine; " + code)
+    late, policy, omp, torch_threads, numba_threads, line = run("import apiary.cloud.engine; " + code)
     cpus = threads.available_cpus(threads.affinity_cpus(), threads.cgroup_cpu_limit())
     assert late == [] and policy == "PASSIVE" and omp == str(cpus)
     assert torch_threads == cpus and numba_threads == cpus
@@ -104,9 +104,9 @@ def test_auto_dtype_is_bfloat16_only_where_the_cpu_computes_it(host: str, expect
 
 
 def test_the_engine_logs_its_dtype_and_the_features_it_saw(tiny_llama: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from cloud.engine import LLMEngine
+    from apiary.cloud.engine import LLMEngine
 
-    with caplog.at_level("INFO", logger="cloud.engine.model_runner"):
+    with caplog.at_level("INFO", logger="apiary.cloud.engine.model_runner"):
         engine = LLMEngine(EngineConfig(model_path=tiny_llama, kv_cache_bytes=1 << 20))
     expected = resolve_dtype(engine.config, torch.device("cpu"))
     assert engine.runner.dtype == expected

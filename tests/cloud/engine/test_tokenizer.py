@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from cloud.engine import LLMEngine, RequestRejected
-from cloud.engine.tokenizer import Tokenizer
+from apiary.cloud.engine import LLMEngine, RequestRejected
+from apiary.cloud.engine.tokenizer import Tokenizer
 
 CORPUS = [
     "Hello world",
@@ -66,7 +66,7 @@ def test_chat_template_renders_chatml(gguf_tokenizer: Tokenizer) -> None:
 
 
 def test_unsupported_gguf_vocabulary_is_a_clear_error() -> None:
-    from cloud.engine.errors import EngineError
+    from apiary.cloud.engine.errors import EngineError
 
     with pytest.raises(EngineError, match="only gpt2 BPE"):
         Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a"]})
@@ -77,8 +77,8 @@ def test_unsupported_gguf_vocabulary_is_a_clear_error() -> None:
 
 @pytest.mark.parametrize("stop", [[], ["蜂在"], ["🐝🍯", "zz"]])
 def test_incremental_detokenization_matches_full_decode(tiny_llama: Path, stop: list[str]) -> None:
-    from cloud.engine import SamplingParams
-    from cloud.engine import detokenizer
+    from apiary.cloud.engine import SamplingParams
+    from apiary.cloud.engine import detokenizer
     from tests.cloud.engine.helpers import make_seq
 
     tok = Tokenizer.from_folder(tiny_llama)
