@@ -49,6 +49,11 @@ def test_an_edge_only_install_answers_with_the_shipped_student(tmp_path: Path) -
     listed = {p["name"].lower() for p in json.loads(run([*pip, "list", "--format", "json"]).stdout)}
     assert "llama_cpp_python" in listed or "llama-cpp-python" in listed
     assert not listed & set(CLOUD_ONLY), listed & set(CLOUD_ONLY)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    ours = sorted(p.name for p in site.iterdir() if p.name in ("apiary", "shared", "edge", "cloud", "kernels",
+                                                                "firmware_bridge", "deploy", "bench"))
+    assert ours == ["apiary"], f"one top-level name, apiary; installed: {ours}"
+    assert (site / "apiary" / "edge" / "agent.py").is_file() and (site / "apiary" / "shared" / "models").is_dir()
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "APIARY_CONFIG", "VIRTUAL_ENV")}
     env["APIARY_MODEL_DIR"] = str(tmp_path / "models")  # the shipped image unpacks from the installed package
