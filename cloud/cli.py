@@ -14,6 +14,9 @@ def register(app: typer.Typer) -> None:
     keys.command("create")(create_key)
     cloud.add_typer(keys, name="keys")
     app.add_typer(cloud, name="cloud")
+    database = typer.Typer(help="The cloud store's database schema (Alembic migrations).", no_args_is_help=True)
+    database.command("upgrade")(db_upgrade)
+    cloud.add_typer(database, name="db")
     fleet = typer.Typer(help="The fleet's recorded data in the cloud store.", no_args_is_help=True)
     fleet.command("export-labels")(export_labels)
     app.add_typer(fleet, name="fleet")
@@ -27,7 +30,8 @@ def serve(
     adapter: Optional[str] = typer.Option(None, help="LoRA adapter merged into the model at load (apiary finetune): "
                                                      "a folder, a shipped name, none, or auto [auto: the shipped "
                                                      "teacher when the model is its base]"),
-    db: Optional[str] = typer.Option(None, help="SQLite database [.apiary/cloud.db]"),
+    db: Optional[str] = typer.Option(None, help="database: postgresql://… , sqlite:///… or a SQLite file path "
+                                                "[.apiary/cloud.db]"),
     images: Optional[str] = typer.Option(None, help="directory of OTA images served at /v1/images [.apiary/images]"),
     api_key_file: Optional[str] = typer.Option(None, help="hashed API keys, JSON lines [.apiary/cloud-keys.jsonl]"),
     dtype: Optional[str] = typer.Option(None, help="auto | float32 | bfloat16"),
@@ -116,7 +120,8 @@ def create_key(
 
 def export_labels(
     out: Path = typer.Option(..., help="JSON-lines file to write (atomically: temporary file, then rename)"),
-    db: Optional[str] = typer.Option(None, help="the cloud's SQLite database [from config, else .apiary/cloud.db]"),
+    db: Optional[str] = typer.Option(None, help="the cloud's database: URL or SQLite file [from config, else "
+                                                ".apiary/cloud.db]"),
     since: Optional[str] = typer.Option(None, help="only labels recorded at or after this time: unix seconds or "
                                                    "ISO 8601 (UTC unless an offset is given)"),
     context: int = typer.Option(6, min=0, help="earlier events of the same device to include as context"),
@@ -127,14 +132,16 @@ def export_labels(
     from apiary.cloud.errors import CloudError
     from apiary.cloud.labels import export_labels as export, parse_since
     from apiary.cloud.settings import load_settings
-    from apiary.cloud.store import SqliteStore
+    from apiary.cloud.db.engine import sqlite_file
+    from apiary.cloud.store import open_store
 
     try:
         settings = load_settings(config, db=db)
-        if not Path(settings.db).is_file():
+        path = sqlite_file(settings.db)
+        if path is not None and not path.is_file():
             raise CloudError(f"no database at {settings.db}")
         since_ts = parse_since(since) if since is not None else None
-        store = SqliteStore(settings.db)
+        store = open_store(settings.db)
         try:
             n = export(store, out, since=since_ts, context=context)
         finally:
@@ -143,3 +150,27 @@ def export_labels(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     typer.echo(f"wrote {n} labelled events to {out}")
+
+
+def db_upgrade(
+    db: Optional[str] = typer.Option(None, help="database URL (postgresql://…, sqlite:///…) or SQLite file "
+                                                "[from config, else .apiary/cloud.db]"),
+    config: Optional[Path] = typer.Option(None, help="apiary TOML config ([cloud] section); also $APIARY_CONFIG"),
+) -> None:
+    """Migrate the store's schema to the newest revision this version knows (run once per shared PostgreSQL
+    before starting replicas of a new version; SQLite files are also upgraded at start). A SQLite file made
+    before schema versions existed is adopted when its tables match."""
+    from apiary.cloud.db import migrate
+    from apiary.cloud.db.engine import redact
+    from apiary.cloud.errors import CloudError
+    from apiary.cloud.settings import load_settings
+
+    try:
+        settings = load_settings(config, db=db)
+        before, after = migrate.upgrade(settings.db)
+    except CloudError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    where = redact(settings.db)
+    typer.echo(f"{where}: already at revision {after}" if before == after
+               else f"{where}: upgraded from revision {before or 'none'} to {after}")

@@ -27,9 +27,10 @@ from apiary.cloud.auth import SCOPES, KeyRing
 from apiary.cloud.errors import CloudError
 from apiary.cloud.metrics import Metrics
 from apiary.cloud.recorder import Recorder
+from apiary.cloud.retention import Retention
 from apiary.cloud.rollouts import RolloutDriver, publish_command
 from apiary.cloud.settings import CloudSettings
-from apiary.cloud.store import SqliteStore, Store
+from apiary.cloud.store import Store, open_store
 from apiary.cloud.worker import EscalationWorker, WorkerConfig
 
 _log = get_logger("apiary.cloud.service")
@@ -81,6 +82,7 @@ class CloudService:
         self.worker: EscalationWorker | None = None
         self.recorder: Recorder | None = None
         self.rollouts: RolloutDriver | None = None
+        self.retention: Retention | None = None
         self.app = None
         self.info: ServiceInfo | None = None
         self._server = None
@@ -110,7 +112,9 @@ class CloudService:
         try:
             if s.broker:
                 self._preflight_broker(timeout)
-            self.store = self.store or SqliteStore(s.db)
+            self.store = self.store or open_store(s.db)
+            self.retention = Retention(self.store, s.retention_days, interval_s=s.retention_interval_s,
+                                       first_after_s=min(30.0, s.retention_interval_s)).start()
             self.keys = KeyRing(s.api_key_file)
             api_key = None
             if s.generate_key == "always" or (s.generate_key == "auto" and len(self.keys) == 0):
@@ -241,6 +245,9 @@ class CloudService:
         if self._thread is not None:
             self._thread.join(15)
             self._thread = None
+        if self.retention is not None:
+            self.retention.stop()
+            self.retention = None
         if self.rollouts is not None:
             self.rollouts.stop()
             self.rollouts = None

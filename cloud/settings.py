@@ -82,8 +82,13 @@ class CloudSettings(BaseModel):
     draft_model: str | None = None  # draft checkpoint path or registry name (required for "draft")
     draft_layers: int | None = Field(default=None, ge=1)  # use only the draft's first n layers
 
-    # storage
+    # storage: postgresql://user:pass@host/db (replicas on several machines; run `apiary cloud db upgrade`
+    # first), sqlite:///path, or a plain path = SQLite, the embedded default (upgraded at start)
     db: str = ".apiary/cloud.db"
+    # prune events, answers, OTA statuses and finished escalations older than this (labelled events and
+    # unfinished claims stay); 0 or "none": keep everything
+    retention_days: float = Field(default=0.0, ge=0)
+    retention_interval_s: float = Field(default=3600.0, gt=0)  # how often the service prunes
     images: str = ".apiary/images"
 
     @field_validator("share_group", "worker_id")
@@ -94,6 +99,19 @@ class CloudSettings(BaseModel):
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", v):
             raise ValueError(f"{v!r} must be 1-64 of [A-Za-z0-9_.-]")
         return v
+
+    @field_validator("db")
+    @classmethod
+    def _db(cls, v: str) -> str:
+        from apiary.cloud.db.engine import database_url
+
+        database_url(v)  # an unsupported URL scheme is a CloudError, i.e. a ValueError: a validation error
+        return v
+
+    @field_validator("retention_days", mode="before")
+    @classmethod
+    def _retention(cls, v: Any) -> Any:
+        return 0.0 if v is None or (isinstance(v, str) and v.strip().lower() in ("none", "")) else v
 
     @model_validator(mode="after")
     def _tls_pair(self) -> "CloudSettings":

@@ -3,8 +3,20 @@
 Everything a replica needs to answer correctly lives here, never only in one worker's
 memory: an escalation answered by one worker is found by any other worker (or the same
 one after a restart) when the edge re-sends it. :class:`Store` is the contract;
-:class:`SqliteStore` implements it on SQLite in WAL mode (several processes on one
-machine share the file). The SQL is plain enough for a PostgreSQL backend to follow.
+:class:`SqlStore` implements it for both backends, chosen by the ``[cloud] db`` URL:
+SQLite (a plain path or ``sqlite:///…``: the embedded default, WAL mode, several processes
+on one machine share the file) or PostgreSQL (``postgresql://…``: replicas on many machines).
+
+Why one implementation on SQLAlchemy Core rather than a psycopg 3 copy beside the sqlite3
+one: every query exists once, so the backends cannot drift apart (the same test suite runs
+on both), and the few real differences are isolated in a handful of places: the dialect's
+``insert`` for upserts (``ON CONFLICT``, the same shape on both), ``FOR UPDATE SKIP LOCKED``
+where replicas prune at once (SQLite has no row locks and ignores it), transaction-scoped
+advisory locks that serialize read-then-write steps per request or device on PostgreSQL
+(SQLite's ``BEGIN IMMEDIATE`` already takes its single write lock), and the tie-breaking
+``rowid`` (implicit on SQLite, an identity column on PostgreSQL; :mod:`apiary.cloud.db.schema`).
+Core, not the ORM: the store is a few dozen hand-written statements returning plain dicts.
+The schema is versioned by Alembic (:mod:`apiary.cloud.db.migrate`), checked at every open.
 
 Every write keyed by an envelope id is idempotent, so several replicas recording the
 same broadcast message (or a QoS 1 redelivery) store it once.
@@ -12,14 +24,23 @@ same broadcast message (or a QoS 1 redelivery) store it once.
 from __future__ import annotations
 
 import json
-import sqlite3
 import threading
 import time
 from abc import ABC, abstractmethod
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
+from sqlalchemy import (Column, Connection, Engine, Select, Table, and_, case, delete, exists, func, insert, or_,
+                        select, text, tuple_, update)
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.pool import StaticPool
+
+from apiary.cloud.db import migrate, schema
+from apiary.cloud.db.engine import READ_ONLY, make_engine, redact
 from apiary.cloud.errors import CloudError
 from apiary.shared.protocol import DeviceState, InferenceResult, OtaStatus, SensorEvent
 
@@ -170,81 +191,15 @@ class Store(ABC):
     def update_rollout_device(self, rollout_id: str, site: str, device: str, **fields: Any) -> None:
         """Set the given columns of one device of a rollout (sent_at, outcome, outcome_at)."""
 
+    # retention
+    @abstractmethod
+    def prune(self, before: float, *, batch: int = 1000) -> dict[str, int]:
+        """Delete what was recorded before ``before`` (unix seconds), ``batch`` rows per transaction: events
+        (never a labelled one: labels are training data), answers, OTA statuses, and finished escalations
+        (never a pending claim). How many rows of each table went."""
+
     @abstractmethod
     def close(self) -> None: ...
-
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS devices (
-    site TEXT NOT NULL, device TEXT NOT NULL, role TEXT NOT NULL, online INTEGER NOT NULL,
-    status TEXT NOT NULL, session INTEGER NOT NULL, battery_soc REAL, battery_v REAL, solar_w REAL,
-    model_version TEXT, image_version TEXT, budget_tokens_per_hour REAL, counters TEXT NOT NULL DEFAULT '{}',
-    first_seen REAL NOT NULL, last_seen REAL NOT NULL, last_birth REAL, last_death REAL,
-    PRIMARY KEY (site, device)
-);
-CREATE TABLE IF NOT EXISTS events (
-    envelope_id TEXT PRIMARY KEY, site TEXT NOT NULL, device TEXT NOT NULL, seq INTEGER NOT NULL,
-    timestamp REAL NOT NULL, severity TEXT NOT NULL, kind TEXT NOT NULL, received_at REAL NOT NULL, body TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS events_by_device ON events (site, device, received_at);
-CREATE TABLE IF NOT EXISTS answers (
-    envelope_id TEXT PRIMARY KEY, site TEXT NOT NULL, device TEXT NOT NULL, request_id TEXT NOT NULL,
-    tier TEXT NOT NULL, status TEXT NOT NULL, event_seq INTEGER, latency_ms REAL NOT NULL,
-    received_at REAL NOT NULL, body TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS answers_by_device ON answers (site, device, received_at);
-CREATE TABLE IF NOT EXISTS ota_status (
-    envelope_id TEXT PRIMARY KEY, site TEXT NOT NULL, device TEXT NOT NULL, image_version TEXT NOT NULL,
-    phase TEXT NOT NULL, detail TEXT NOT NULL, progress REAL, received_at REAL NOT NULL
-);
-CREATE INDEX IF NOT EXISTS ota_by_device ON ota_status (site, device, received_at);
-CREATE TABLE IF NOT EXISTS escalations (
-    key TEXT PRIMARY KEY, request_id TEXT NOT NULL, site TEXT NOT NULL, device TEXT NOT NULL,
-    priority INTEGER NOT NULL, reason TEXT NOT NULL, worker TEXT NOT NULL,
-    state TEXT NOT NULL,               -- 'pending' while a worker computes, 'done' once answered
-    outcome TEXT,                      -- the result's status: ok | expired | error | rejected | deferred
-    received_at REAL NOT NULL, claimed_at REAL NOT NULL, finished_at REAL, latency_ms REAL,
-    prompt_tokens INTEGER, completion_tokens INTEGER, result TEXT,
-    topic TEXT, envelope BLOB          -- the request as it arrived, for resuming a claim after a restart
-);
-CREATE INDEX IF NOT EXISTS escalations_by_request ON escalations (site, device, request_id);
-CREATE INDEX IF NOT EXISTS escalations_by_time ON escalations (received_at);
-CREATE INDEX IF NOT EXISTS escalations_pending ON escalations (worker) WHERE state = 'pending';
-CREATE INDEX IF NOT EXISTS events_by_sensor_time ON events (site, device, timestamp);
-CREATE TABLE IF NOT EXISTS labels (
-    envelope_id TEXT PRIMARY KEY,      -- the labelled event's
-    assessment TEXT NOT NULL, note TEXT,
-    key_id TEXT NOT NULL, key_name TEXT NOT NULL,   -- the operator API key that labelled it
-    labelled_at REAL NOT NULL
-);
-CREATE INDEX IF NOT EXISTS labels_by_time ON labels (labelled_at);
-CREATE TABLE IF NOT EXISTS rollouts (
-    id TEXT PRIMARY KEY, filename TEXT NOT NULL, image_version TEXT NOT NULL, sha256 TEXT NOT NULL,
-    signature TEXT NOT NULL, size INTEGER NOT NULL, url TEXT NOT NULL,
-    target TEXT NOT NULL,              -- JSON: {"site": s} | {"devices": [...]} | {"all": true}
-    canary REAL NOT NULL, wave_size INTEGER, max_failed_pct REAL NOT NULL, wave_timeout_s REAL NOT NULL,
-    waves INTEGER NOT NULL,
-    state TEXT NOT NULL,               -- running | completed | aborted
-    reason TEXT NOT NULL DEFAULT '',
-    wave INTEGER NOT NULL DEFAULT 0,   -- the wave in progress (0: the canary wave)
-    wave_started_at REAL, created_at REAL NOT NULL, finished_at REAL, created_by TEXT NOT NULL DEFAULT '',
-    driver TEXT, driver_until REAL     -- the cloud process driving it, and until when its lease holds
-);
-CREATE INDEX IF NOT EXISTS rollouts_by_time ON rollouts (created_at);
-CREATE TABLE IF NOT EXISTS rollout_devices (
-    rollout_id TEXT NOT NULL, site TEXT NOT NULL, device TEXT NOT NULL, wave INTEGER NOT NULL,
-    position INTEGER NOT NULL,
-    sent_at REAL,                      -- when its OTA command was published (acknowledged by the broker)
-    outcome TEXT,                      -- committed | failed | timed_out | skipped; null while undecided
-    outcome_at REAL,
-    PRIMARY KEY (rollout_id, site, device)
-);
-CREATE INDEX IF NOT EXISTS rollout_devices_by_node ON rollout_devices (site, device);
-"""
-# Every statement is IF NOT EXISTS and runs at each open, so a database made by an older
-# version gains the newer tables and indexes (labels) without losing anything; newer columns
-# of existing tables are added by _COLUMNS.
-_COLUMNS = {"escalations": {"topic": "TEXT", "envelope": "BLOB"}}
 
 
 def _counts(state: DeviceState, session: int, status: str) -> bool:
@@ -258,271 +213,286 @@ def _json(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"), default=str)
 
 
-class SqliteStore(Store):
-    """SQLite in WAL mode; one connection guarded by a lock (writes are tiny, reads are indexed)."""
+def _public(table: Table) -> list[Column]:
+    """A table's columns without the tie-breaking ``rowid`` (not part of any answer)."""
+    return [c for c in table.c if c.name != "rowid"]
 
-    def __init__(self, path: str | Path = ":memory:") -> None:
-        self.path = str(path)
-        if self.path != ":memory:":
-            try:
-                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise CloudError(f"cannot create the database directory for {self.path}: {e}") from None
+
+def _label(r: Any) -> dict[str, Any] | None:
+    if r.assessment is None:
+        return None
+    return {"assessment": r.assessment, "note": r.note, "key_id": r.key_id, "key_name": r.key_name,
+            "labelled_at": r.labelled_at}
+
+
+def _event_row(r: Any) -> dict[str, Any]:
+    return {"envelope_id": r.envelope_id, "received_at": r.received_at, **json.loads(r.body), "label": _label(r)}
+
+
+def _rollout_row(r: Any) -> dict[str, Any]:
+    d = dict(r._mapping)
+    d["target"] = json.loads(d["target"])
+    return d
+
+
+class SqlStore(Store):
+    """The store on SQLAlchemy Core: SQLite (a path or ``sqlite:///…``) or PostgreSQL (``postgresql://…``).
+
+    At open the schema is checked (:func:`apiary.cloud.db.migrate.check`): a newer one is refused, an
+    older SQLite one upgraded, an older PostgreSQL one refused with the command that upgrades it.
+    """
+
+    def __init__(self, db: str | Path = ":memory:") -> None:
+        self.db = str(db)
+        self.engine: Engine = make_engine(db)
+        self.dialect = self.engine.dialect.name
+        self._reader = self.engine.execution_options(**{READ_ONLY: True})
+        # one in-memory SQLite connection is shared by every thread: its transactions must not interleave
+        self._serial = threading.RLock() if isinstance(self.engine.pool, StaticPool) else None
+        self._insert = pg_insert if self.dialect == "postgresql" else sqlite_insert
         try:
-            self._db = sqlite3.connect(self.path, timeout=10.0, check_same_thread=False, isolation_level=None)
-            self._db.row_factory = sqlite3.Row
-            if self.path != ":memory:":
-                self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.execute("PRAGMA busy_timeout=10000")
-            self._db.executescript(_SCHEMA)
-            self._add_columns()
-        except sqlite3.DatabaseError as e:
-            raise CloudError(f"cannot open database {self.path}: {e}") from None
-        self._lock = threading.Lock()
+            migrate.check(self.engine)
+        except SQLAlchemyError as e:
+            self.engine.dispose()
+            raise CloudError(f"cannot open database {redact(str(self.engine.url))}: "
+                             f"{getattr(e, 'orig', None) or e}") from None
+        except CloudError:
+            self.engine.dispose()
+            raise
 
-    def _add_columns(self) -> None:
-        for table, columns in _COLUMNS.items():
-            have = {r["name"] for r in self._db.execute(f"PRAGMA table_info({table})")}
-            for name, kind in columns.items():
-                if name not in have:
-                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
+    @contextmanager
+    def _tx(self, *, write: bool = True) -> Iterator[Connection]:
+        """One transaction: committed when the block ends, rolled back when it raises."""
+        with self._serial or nullcontext():
+            with (self.engine if write else self._reader).begin() as conn:
+                yield conn
 
-    @property
-    def journal_mode(self) -> str:
-        return self._query("PRAGMA journal_mode")[0][0]
+    def _query(self, stmt: Any) -> list[Any]:
+        """Rows of a read (a statement, or plain SQL text as tests peek with)."""
+        with self._tx(write=False) as c:
+            return list(c.execute(text(stmt) if isinstance(stmt, str) else stmt))
 
-    def _query(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
-        with self._lock:
-            return self._db.execute(sql, args).fetchall()
+    def _write(self, stmt: Any, rows: Any = None) -> int:
+        with self._tx() as c:
+            return c.execute(stmt, rows).rowcount if rows is not None else c.execute(stmt).rowcount
 
-    def _write(self, sql: str, args: tuple = ()) -> int:
-        with self._lock:
-            return self._db.execute(sql, args).rowcount
+    def _serialize(self, conn: Connection, *parts: str) -> None:
+        """PostgreSQL: hold a transaction-scoped lock on ``parts`` (e.g. one request), so read-then-write
+        steps on the same thing take turns across replicas, also when its row does not exist yet. SQLite's
+        BEGIN IMMEDIATE already takes the one write lock."""
+        if self.dialect == "postgresql":
+            conn.execute(text("SELECT pg_advisory_xact_lock(hashtextextended(:k, 0))"), {"k": "\x1f".join(parts)})
 
     # ---- fleet -----------------------------------------------------------------------------
     def record_state(self, state: DeviceState, *, received_at: float | None = None) -> bool:
         now = received_at or time.time()
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                row = self._db.execute("SELECT session, status FROM devices WHERE site=? AND device=?",
-                                       (state.site, state.device)).fetchone()
-                if row is not None and not _counts(state, row["session"], row["status"]):
-                    self._db.execute("COMMIT")
-                    return False
-                online = bool(state.online) and state.status != "death"
-                self._db.execute(
-                    """INSERT INTO devices (site, device, role, online, status, session, battery_soc, battery_v,
-                           solar_w, model_version, image_version, budget_tokens_per_hour, counters, first_seen,
-                           last_seen, last_birth, last_death)
-                       VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)
-                       ON CONFLICT (site, device) DO UPDATE SET
-                           role=excluded.role, online=excluded.online, status=excluded.status,
-                           session=excluded.session,
-                           battery_soc=COALESCE(excluded.battery_soc, devices.battery_soc),
-                           battery_v=COALESCE(excluded.battery_v, devices.battery_v),
-                           solar_w=COALESCE(excluded.solar_w, devices.solar_w),
-                           model_version=CASE excluded.status WHEN 'birth' THEN excluded.model_version
-                               WHEN 'death' THEN devices.model_version
-                               ELSE COALESCE(excluded.model_version, devices.model_version) END,
-                           image_version=CASE excluded.status WHEN 'birth' THEN excluded.image_version
-                               WHEN 'death' THEN devices.image_version
-                               ELSE COALESCE(excluded.image_version, devices.image_version) END,
-                           budget_tokens_per_hour=COALESCE(excluded.budget_tokens_per_hour,
-                                                           devices.budget_tokens_per_hour),
-                           counters=CASE WHEN excluded.counters = '{}' THEN devices.counters
-                                         ELSE excluded.counters END,
-                           last_seen=excluded.last_seen,
-                           last_birth=COALESCE(excluded.last_birth, devices.last_birth),
-                           last_death=COALESCE(excluded.last_death, devices.last_death)""",
-                    (state.site, state.device, state.role, int(online), state.status, state.session,
-                     state.battery_soc, state.battery_v, state.solar_w, state.model_version, state.image_version,
-                     state.budget_tokens_per_hour, _json(state.counters), now, now,
-                     now if state.status == "birth" else None, now if state.status == "death" else None))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        d = schema.devices
+        with self._tx() as c:
+            self._serialize(c, "device", state.site, state.device)
+            row = c.execute(select(d.c.session, d.c.status).where(d.c.site == state.site,
+                                                                  d.c.device == state.device)).first()
+            if row is not None and not _counts(state, row.session, row.status):
+                return False
+            online = bool(state.online) and state.status != "death"
+            ins = self._insert(d).values(
+                site=state.site, device=state.device, role=state.role, online=int(online), status=state.status,
+                session=state.session, battery_soc=state.battery_soc, battery_v=state.battery_v,
+                solar_w=state.solar_w, model_version=state.model_version, image_version=state.image_version,
+                budget_tokens_per_hour=state.budget_tokens_per_hour, counters=_json(state.counters),
+                first_seen=now, last_seen=now, last_birth=now if state.status == "birth" else None,
+                last_death=now if state.status == "death" else None)
+            x = ins.excluded
+
+            def versioned(column: str) -> Any:  # a birth states it, a death never changes it, an update may
+                return case((x.status == "birth", x[column]), (x.status == "death", d.c[column]),
+                            else_=func.coalesce(x[column], d.c[column]))
+
+            keep = {name: func.coalesce(x[name], d.c[name])
+                    for name in ("battery_soc", "battery_v", "solar_w", "budget_tokens_per_hour", "last_birth",
+                                 "last_death")}
+            c.execute(ins.on_conflict_do_update(index_elements=[d.c.site, d.c.device], set_={
+                "role": x.role, "online": x.online, "status": x.status, "session": x.session, **keep,
+                "model_version": versioned("model_version"), "image_version": versioned("image_version"),
+                "counters": case((x.counters == "{}", d.c.counters), else_=x.counters),
+                "last_seen": x.last_seen}))
         return True
 
     def devices(self, site: str | None = None) -> list[dict[str, Any]]:
-        sql = "SELECT * FROM devices" + (" WHERE site=?" if site else "") + " ORDER BY site, device"
-        rows = self._query(sql, (site,) if site else ())
+        """One statement for the whole fleet: each device with its newest OTA status, joined in."""
+        d, o, s = schema.devices, schema.ota_status.alias("o"), schema.ota_status.alias("s")
+        newest = (select(o.c.rowid).where(o.c.site == d.c.site, o.c.device == d.c.device)
+                  .order_by(o.c.received_at.desc(), o.c.rowid.desc()).limit(1).scalar_subquery())
+        ota = [s.c.image_version, s.c.phase, s.c.detail, s.c.progress, s.c.received_at]
+        stmt = (select(d, *[col.label(f"ota_{col.name}") for col in ota])
+                .select_from(d.outerjoin(s, s.c.rowid == newest)).order_by(d.c.site, d.c.device))
+        if site:
+            stmt = stmt.where(d.c.site == site)
         out = []
-        for r in rows:
-            d = dict(r)
-            d["online"] = bool(d["online"])
-            d["counters"] = json.loads(d["counters"])
-            last_ota = self._query("SELECT image_version, phase, detail, progress, received_at FROM ota_status "
-                                   "WHERE site=? AND device=? ORDER BY received_at DESC, rowid DESC LIMIT 1",
-                                   (d["site"], d["device"]))
-            d["last_ota"] = dict(last_ota[0]) if last_ota else None
-            out.append(d)
+        for r in self._query(stmt):
+            m = r._mapping
+            row = {c.name: m[c.name] for c in d.c}
+            row["online"] = bool(row["online"])
+            row["counters"] = json.loads(row["counters"])
+            row["last_ota"] = ({col.name: m[f"ota_{col.name}"] for col in ota}
+                               if m["ota_received_at"] is not None else None)
+            out.append(row)
         return out
 
     # ---- events, answers, OTA progress -----------------------------------------------------
-    def record_event(self, envelope_id: str, event: SensorEvent, *, received_at: float | None = None) -> bool:
-        return self._write(
-            "INSERT OR IGNORE INTO events VALUES (?,?,?,?,?,?,?,?,?)",
-            (envelope_id, event.site, event.device, event.seq, event.timestamp, str(event.severity), event.kind, received_at or time.time(),
-             _json(event.model_dump(mode="json")))) == 1
+    def _insert_once(self, table: Table, **values: Any) -> bool:
+        """Insert unless a row with the same key exists (a redelivery, another replica): True when stored."""
+        stmt = self._insert(table).values(**values).on_conflict_do_nothing().returning(*table.primary_key)
+        with self._tx() as c:
+            return c.execute(stmt).first() is not None  # RETURNING, not rowcount: psycopg's is -1 here
 
-    _EVENT_WITH_LABEL = ("SELECT e.envelope_id, e.received_at, e.body, l.assessment, l.note, l.key_id, l.key_name, "
-                         "l.labelled_at FROM events e LEFT JOIN labels l ON l.envelope_id = e.envelope_id")
+    def record_event(self, envelope_id: str, event: SensorEvent, *, received_at: float | None = None) -> bool:
+        return self._insert_once(
+            schema.events, envelope_id=envelope_id, site=event.site, device=event.device, seq=event.seq,
+            timestamp=event.timestamp, severity=str(event.severity), kind=event.kind,
+            received_at=received_at or time.time(), body=_json(event.model_dump(mode="json")))
 
     @staticmethod
-    def _label(r: sqlite3.Row) -> dict[str, Any] | None:
-        if r["assessment"] is None:
-            return None
-        return {"assessment": r["assessment"], "note": r["note"], "key_id": r["key_id"], "key_name": r["key_name"],
-                "labelled_at": r["labelled_at"]}
-
-    def _event_row(self, r: sqlite3.Row) -> dict[str, Any]:
-        return {"envelope_id": r["envelope_id"], "received_at": r["received_at"], **json.loads(r["body"]),
-                "label": self._label(r)}
+    def _events_with_labels(*, labelled_only: bool = False) -> Select:
+        e, lb = schema.events, schema.labels
+        join = e.join(lb, lb.c.envelope_id == e.c.envelope_id, isouter=not labelled_only)
+        return select(e.c.envelope_id, e.c.received_at, e.c.body, lb.c.assessment, lb.c.note, lb.c.key_id,
+                      lb.c.key_name, lb.c.labelled_at).select_from(join)
 
     def events(self, site: str, device: str, limit: int = 50) -> list[dict[str, Any]]:
-        rows = self._query(self._EVENT_WITH_LABEL + " WHERE e.site=? AND e.device=? "
-                           "ORDER BY e.received_at DESC, e.rowid DESC LIMIT ?", (site, device, limit))
-        return [self._event_row(r) for r in rows]
+        e = schema.events
+        rows = self._query(self._events_with_labels().where(e.c.site == site, e.c.device == device)
+                           .order_by(e.c.received_at.desc(), e.c.rowid.desc()).limit(limit))
+        return [_event_row(r) for r in rows]
 
     def event(self, envelope_id: str) -> dict[str, Any] | None:
-        rows = self._query(self._EVENT_WITH_LABEL + " WHERE e.envelope_id=?", (envelope_id,))
-        return self._event_row(rows[0]) if rows else None
+        rows = self._query(self._events_with_labels().where(schema.events.c.envelope_id == envelope_id))
+        return _event_row(rows[0]) if rows else None
 
     # ---- labels ----------------------------------------------------------------------------
     def label_event(self, envelope_id: str, assessment: str, *, note: str | None, key_id: str, key_name: str = "",
                     labelled_at: float | None = None) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
         label = {"assessment": assessment, "note": note, "key_id": key_id, "key_name": key_name,
                  "labelled_at": labelled_at or time.time()}
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                if self._db.execute("SELECT 1 FROM events WHERE envelope_id=?", (envelope_id,)).fetchone() is None:
-                    self._db.execute("COMMIT")
-                    return None
-                old = self._db.execute("SELECT assessment, note, key_id, key_name, labelled_at FROM labels "
-                                       "WHERE envelope_id=?", (envelope_id,)).fetchone()
-                self._db.execute(
-                    "INSERT INTO labels (envelope_id, assessment, note, key_id, key_name, labelled_at) "
-                    "VALUES (?,?,?,?,?,?) ON CONFLICT (envelope_id) DO UPDATE SET assessment=excluded.assessment, "
-                    "note=excluded.note, key_id=excluded.key_id, key_name=excluded.key_name, "
-                    "labelled_at=excluded.labelled_at",
-                    (envelope_id, assessment, note, key_id, key_name, label["labelled_at"]))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-        return label, dict(old) if old is not None else None
+        e, lb = schema.events, schema.labels
+        with self._tx() as c:
+            self._serialize(c, "label", envelope_id)
+            if c.execute(select(e.c.envelope_id).where(e.c.envelope_id == envelope_id)).first() is None:
+                return None
+            old = c.execute(select(lb.c.assessment, lb.c.note, lb.c.key_id, lb.c.key_name, lb.c.labelled_at)
+                            .where(lb.c.envelope_id == envelope_id)).first()
+            ins = self._insert(lb).values(envelope_id=envelope_id, **label)
+            c.execute(ins.on_conflict_do_update(index_elements=[lb.c.envelope_id],
+                                                set_={k: ins.excluded[k] for k in label}))
+        return label, dict(old._mapping) if old is not None else None
 
     def labelled_events(self, *, since: float | None = None, context: int = 6) -> list[dict[str, Any]]:
-        rows = self._query(self._EVENT_WITH_LABEL.replace("LEFT JOIN", "JOIN")
-                           + (" WHERE l.labelled_at >= ?" if since is not None else "")
-                           + " ORDER BY e.timestamp, e.site, e.device, e.seq, e.envelope_id",
-                           (since,) if since is not None else ())
+        e, lb = schema.events, schema.labels
+        stmt = self._events_with_labels(labelled_only=True)
+        if since is not None:
+            stmt = stmt.where(lb.c.labelled_at >= since)
+        stmt = stmt.order_by(e.c.timestamp, e.c.site, e.c.device, e.c.seq, e.c.envelope_id)
         out = []
-        for r in rows:
-            event = json.loads(r["body"])
-            earlier = self._query(
-                "SELECT body FROM events WHERE site=? AND device=? AND timestamp < ? "
-                "ORDER BY timestamp DESC, seq DESC LIMIT ?",
-                (event["site"], event["device"], event["timestamp"], context)) if context > 0 else []
-            out.append({"envelope_id": r["envelope_id"], "label": self._label(r), "event": event,
-                        "context": [json.loads(c["body"]) for c in reversed(earlier)]})
+        with self._tx(write=False) as c:
+            for r in list(c.execute(stmt)):
+                event = json.loads(r.body)
+                earlier = list(c.execute(
+                    select(e.c.body).where(e.c.site == event["site"], e.c.device == event["device"],
+                                           e.c.timestamp < event["timestamp"])
+                    .order_by(e.c.timestamp.desc(), e.c.seq.desc()).limit(context))) if context > 0 else []
+                out.append({"envelope_id": r.envelope_id, "label": _label(r), "event": event,
+                            "context": [json.loads(b.body) for b in reversed(earlier)]})
         return out
 
     def record_answer(self, envelope_id: str, result: InferenceResult, *, received_at: float | None = None) -> bool:
-        return self._write(
-            "INSERT OR IGNORE INTO answers VALUES (?,?,?,?,?,?,?,?,?,?)",
-            (envelope_id, result.site, result.device, result.request_id, result.tier, result.status, result.event_seq,
-             result.latency_ms, received_at or time.time(), _json(result.model_dump(mode="json")))) == 1
+        return self._insert_once(
+            schema.answers, envelope_id=envelope_id, site=result.site, device=result.device,
+            request_id=result.request_id, tier=result.tier, status=result.status, event_seq=result.event_seq,
+            latency_ms=result.latency_ms, received_at=received_at or time.time(),
+            body=_json(result.model_dump(mode="json")))
 
     def answers(self, site: str, device: str, limit: int = 50) -> list[dict[str, Any]]:
-        rows = self._query("SELECT envelope_id, received_at, body FROM answers WHERE site=? AND device=? "
-                           "ORDER BY received_at DESC, rowid DESC LIMIT ?", (site, device, limit))
-        return [{"envelope_id": r["envelope_id"], "received_at": r["received_at"], **json.loads(r["body"])}
-                for r in rows]
+        a = schema.answers
+        rows = self._query(select(a.c.envelope_id, a.c.received_at, a.c.body)
+                           .where(a.c.site == site, a.c.device == device)
+                           .order_by(a.c.received_at.desc(), a.c.rowid.desc()).limit(limit))
+        return [{"envelope_id": r.envelope_id, "received_at": r.received_at, **json.loads(r.body)} for r in rows]
 
     def record_ota_status(self, envelope_id: str, status: OtaStatus, *, received_at: float | None = None) -> bool:
-        return self._write(
-            "INSERT OR IGNORE INTO ota_status VALUES (?,?,?,?,?,?,?,?)",
-            (envelope_id, status.site, status.device, status.image_version, status.phase, status.detail,
-             status.progress, received_at or time.time())) == 1
+        return self._insert_once(
+            schema.ota_status, envelope_id=envelope_id, site=status.site, device=status.device,
+            image_version=status.image_version, phase=status.phase, detail=status.detail, progress=status.progress,
+            received_at=received_at or time.time())
 
     def ota_statuses(self, site: str, device: str, limit: int = 50) -> list[dict[str, Any]]:
-        rows = self._query("SELECT * FROM ota_status WHERE site=? AND device=? "
-                           "ORDER BY received_at DESC, rowid DESC LIMIT ?", (site, device, limit))
-        return [dict(r) for r in rows]
+        o = schema.ota_status
+        rows = self._query(select(*_public(o)).where(o.c.site == site, o.c.device == device)
+                           .order_by(o.c.received_at.desc(), o.c.rowid.desc()).limit(limit))
+        return [dict(r._mapping) for r in rows]
 
     # ---- escalations -----------------------------------------------------------------------
     def claim_escalation(self, key: str, *, request_id: str, site: str, device: str, priority: int, reason: str,
                          worker: str, lease_s: float, now: float | None = None, topic: str | None = None,
                          envelope: bytes | None = None) -> Claim:
         now = now or time.time()
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                # A re-sent request may come in a new envelope: match on the envelope id or the request id.
-                row = self._db.execute(
-                    "SELECT * FROM escalations WHERE key=? OR (site=? AND device=? AND request_id=?) "
-                    "ORDER BY (state='done') DESC LIMIT 1", (key, site, device, request_id)).fetchone()
-                if row is not None and row["state"] == "done":
-                    self._db.execute("COMMIT")
-                    return Claim("answered", InferenceResult.model_validate_json(row["result"]))
-                if row is not None and row["worker"] != worker and now - row["claimed_at"] < lease_s:
-                    self._db.execute("COMMIT")
-                    return Claim("busy")
-                if row is not None:  # the claimer died or gave up (or is this worker's dead predecessor): take over
-                    self._db.execute("UPDATE escalations SET worker=?, claimed_at=?, topic=coalesce(topic, ?), "
-                                     "envelope=coalesce(envelope, ?) WHERE key=?",
-                                     (worker, now, topic, envelope, row["key"]))
-                else:
-                    self._db.execute(
-                        "INSERT INTO escalations (key, request_id, site, device, priority, reason, worker, state, "
-                        "received_at, claimed_at, topic, envelope) VALUES (?,?,?,?,?,?,?,'pending',?,?,?,?)",
-                        (key, request_id, site, device, priority, reason, worker, now, now, topic, envelope))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        x = schema.escalations
+        with self._tx() as c:
+            # the lock is on the request, not the row: two replicas handed the same request (or its re-send
+            # in a new envelope) before any row exists take turns, and the second one sees the first's claim
+            self._serialize(c, "escalation", site, device, request_id)
+            row = c.execute(select(x).where(or_(x.c.key == key, and_(x.c.site == site, x.c.device == device,
+                                                                    x.c.request_id == request_id)))
+                            .order_by((x.c.state == "done").desc()).limit(1)).first()
+            if row is not None and row.state == "done":
+                return Claim("answered", InferenceResult.model_validate_json(row.result))
+            if row is not None and row.worker != worker and now - row.claimed_at < lease_s:
+                return Claim("busy")
+            if row is not None:  # the claimer died or gave up (or is this worker's dead predecessor): take over
+                c.execute(update(x).where(x.c.key == row.key).values(
+                    worker=worker, claimed_at=now, topic=func.coalesce(x.c.topic, topic),
+                    envelope=func.coalesce(x.c.envelope, envelope)))
+            else:
+                c.execute(insert(x).values(key=key, request_id=request_id, site=site, device=device,
+                                           priority=priority, reason=reason, worker=worker, state="pending",
+                                           received_at=now, claimed_at=now, topic=topic, envelope=envelope))
         return Claim("claimed")
 
     def finish_escalation(self, key: str, result: InferenceResult, *, finished_at: float | None = None) -> None:
-        now = finished_at or time.time()
-        self._write(
-            "UPDATE escalations SET state='done', outcome=?, finished_at=?, latency_ms=?, prompt_tokens=?, "
-            "completion_tokens=?, result=? WHERE key=? OR (site=? AND device=? AND request_id=? AND state='pending')",
-            (result.status, now, result.latency_ms, result.prompt_tokens, result.completion_tokens,
-             result.model_dump_json(), key, result.site, result.device, result.request_id))
+        x = schema.escalations
+        self._write(update(x).where(or_(x.c.key == key, and_(
+            x.c.site == result.site, x.c.device == result.device, x.c.request_id == result.request_id,
+            x.c.state == "pending"))).values(
+            state="done", outcome=result.status, finished_at=finished_at or time.time(),
+            latency_ms=result.latency_ms, prompt_tokens=result.prompt_tokens,
+            completion_tokens=result.completion_tokens, result=result.model_dump_json()))
 
     def renew_escalations(self, worker: str, *, now: float | None = None) -> int:
-        return self._write("UPDATE escalations SET claimed_at=? WHERE worker=? AND state='pending'",
-                           (now or time.time(), worker))
+        x = schema.escalations
+        return self._write(update(x).where(x.c.worker == worker, x.c.state == "pending")
+                           .values(claimed_at=now or time.time()))
 
     def unfinished_escalations(self, worker: str) -> list[Unfinished]:
-        rows = self._query("SELECT key, topic, envelope, received_at FROM escalations "
-                           "WHERE worker=? AND state='pending' ORDER BY received_at, key", (worker,))
-        return [Unfinished(r["key"], r["topic"], r["envelope"], r["received_at"]) for r in rows]
+        x = schema.escalations
+        rows = self._query(select(x.c.key, x.c.topic, x.c.envelope, x.c.received_at)
+                           .where(x.c.worker == worker, x.c.state == "pending").order_by(x.c.received_at, x.c.key))
+        return [Unfinished(r.key, r.topic, bytes(r.envelope) if r.envelope is not None else None, r.received_at)
+                for r in rows]
 
     def release_escalation(self, key: str) -> None:
-        self._write("UPDATE escalations SET claimed_at=0 WHERE key=? AND state='pending'", (key,))
+        x = schema.escalations
+        self._write(update(x).where(x.c.key == key, x.c.state == "pending").values(claimed_at=0))
 
     def escalations(self, limit: int = 50, *, site: str | None = None, outcome: str | None = None) -> list[dict[str, Any]]:
-        where, args = [], []
+        x = schema.escalations
+        stmt = select(x.c.key, x.c.request_id, x.c.site, x.c.device, x.c.priority, x.c.reason, x.c.worker,
+                      x.c.state, x.c.outcome, x.c.received_at, x.c.finished_at, x.c.latency_ms,
+                      x.c.prompt_tokens, x.c.completion_tokens, x.c.result)
         if site:
-            where.append("site=?")
-            args.append(site)
+            stmt = stmt.where(x.c.site == site)
         if outcome:
-            where.append("outcome=?")
-            args.append(outcome)
-        sql = ("SELECT key, request_id, site, device, priority, reason, worker, state, outcome, received_at, "
-               "finished_at, latency_ms, prompt_tokens, completion_tokens, result FROM escalations"
-               + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY received_at DESC LIMIT ?")
-        rows = self._query(sql, (*args, limit))
+            stmt = stmt.where(x.c.outcome == outcome)
         out = []
-        for r in rows:
-            d = dict(r)
+        for r in self._query(stmt.order_by(x.c.received_at.desc()).limit(limit)):
+            d = dict(r._mapping)
             result = json.loads(d.pop("result")) if d["result"] else None
             d["text"] = result.get("text", "") if result else None
             d["action"] = result.get("action") if result else None
@@ -530,87 +500,120 @@ class SqliteStore(Store):
             out.append(d)
         return out
 
+    # ---- retention -------------------------------------------------------------------------
+    def prune(self, before: float, *, batch: int = 1000) -> dict[str, int]:
+        e, lb, x = schema.events, schema.labels, schema.escalations
+        targets = {
+            "events": (e, e.c.envelope_id, and_(e.c.received_at < before, ~exists().where(
+                lb.c.envelope_id == e.c.envelope_id))),
+            "answers": (schema.answers, schema.answers.c.envelope_id, schema.answers.c.received_at < before),
+            "ota_status": (schema.ota_status, schema.ota_status.c.envelope_id,
+                           schema.ota_status.c.received_at < before),
+            "escalations": (x, x.c.key, and_(x.c.state == "done", x.c.finished_at < before)),
+        }
+        removed = {}
+        for name, (table, key, old) in targets.items():
+            removed[name] = 0
+            while True:
+                # SKIP LOCKED (PostgreSQL; SQLite has no row locks): replicas pruning at once take different
+                # rows instead of queueing behind each other, and a batch never waits on a live transaction
+                doomed = select(key).where(old).limit(batch).with_for_update(skip_locked=True)
+                n = self._write(delete(table).where(key.in_(doomed.scalar_subquery())))
+                removed[name] += n
+                if n < batch:
+                    break
+        return removed
+
     # ---- fleet rollouts --------------------------------------------------------------------
     _ROLLOUT_FIELDS = {"state", "reason", "wave", "wave_started_at", "finished_at"}
     _ROLLOUT_DEVICE_FIELDS = {"sent_at", "outcome", "outcome_at"}
 
     def create_rollout(self, rollout: dict[str, Any], devices: list[tuple[str, str, int]]) -> None:
-        row = {**rollout, "target": _json(rollout["target"])}
-        names = ", ".join(row)
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                self._db.execute(f"INSERT INTO rollouts ({names}) VALUES ({', '.join('?' * len(row))})",
-                                 tuple(row.values()))
-                self._db.executemany(
-                    "INSERT INTO rollout_devices (rollout_id, site, device, wave, position) VALUES (?,?,?,?,?)",
-                    [(rollout["id"], site, device, wave, i) for i, (site, device, wave) in enumerate(devices)])
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-
-    @staticmethod
-    def _rollout_row(r: sqlite3.Row) -> dict[str, Any]:
-        d = dict(r)
-        d["target"] = json.loads(d["target"])
-        return d
+        with self._tx() as c:
+            c.execute(insert(schema.rollouts).values(**{**rollout, "target": _json(rollout["target"])}))
+            if devices:
+                c.execute(insert(schema.rollout_devices), [
+                    {"rollout_id": rollout["id"], "site": site, "device": device, "wave": wave, "position": i}
+                    for i, (site, device, wave) in enumerate(devices)])
 
     def rollout(self, rollout_id: str) -> dict[str, Any] | None:
-        rows = self._query("SELECT * FROM rollouts WHERE id=?", (rollout_id,))
-        return self._rollout_row(rows[0]) if rows else None
+        r = schema.rollouts
+        rows = self._query(select(*_public(r)).where(r.c.id == rollout_id))
+        return _rollout_row(rows[0]) if rows else None
 
     def rollouts(self, limit: int = 50, *, state: str | None = None) -> list[dict[str, Any]]:
-        rows = self._query("SELECT * FROM rollouts" + (" WHERE state=?" if state else "")
-                           + " ORDER BY created_at DESC, rowid DESC LIMIT ?", (state, limit) if state else (limit,))
-        return [self._rollout_row(r) for r in rows]
+        r = schema.rollouts
+        stmt = select(*_public(r)).order_by(r.c.created_at.desc(), r.c.rowid.desc()).limit(limit)
+        if state:
+            stmt = stmt.where(r.c.state == state)
+        return [_rollout_row(row) for row in self._query(stmt)]
 
     def rollout_devices(self, rollout_id: str) -> list[dict[str, Any]]:
-        rows = self._query(
-            """SELECT d.site, d.device, d.wave, d.sent_at, d.outcome, d.outcome_at,
-                      s.phase AS ota_phase, s.detail AS ota_detail, s.progress AS ota_progress,
-                      s.received_at AS ota_at
-               FROM rollout_devices d JOIN rollouts r ON r.id = d.rollout_id
-               LEFT JOIN ota_status s ON s.rowid = (
-                   SELECT rowid FROM ota_status o WHERE o.site = d.site AND o.device = d.device
-                       AND o.image_version = r.image_version AND d.sent_at IS NOT NULL AND o.received_at >= d.sent_at
-                   ORDER BY o.received_at DESC, o.rowid DESC LIMIT 1)
-               WHERE d.rollout_id=? ORDER BY d.wave, d.position""", (rollout_id,))
-        return [dict(r) for r in rows]
+        d, r = schema.rollout_devices, schema.rollouts
+        o, s = schema.ota_status.alias("o"), schema.ota_status.alias("s")
+        newest = (select(o.c.rowid).where(o.c.site == d.c.site, o.c.device == d.c.device,
+                                          o.c.image_version == r.c.image_version, d.c.sent_at.is_not(None),
+                                          o.c.received_at >= d.c.sent_at)
+                  .order_by(o.c.received_at.desc(), o.c.rowid.desc()).limit(1).scalar_subquery())
+        stmt = (select(d.c.site, d.c.device, d.c.wave, d.c.sent_at, d.c.outcome, d.c.outcome_at,
+                       s.c.phase.label("ota_phase"), s.c.detail.label("ota_detail"),
+                       s.c.progress.label("ota_progress"), s.c.received_at.label("ota_at"))
+                .select_from(d.join(r, r.c.id == d.c.rollout_id).outerjoin(s, s.c.rowid == newest))
+                .where(d.c.rollout_id == rollout_id).order_by(d.c.wave, d.c.position))
+        return [dict(row._mapping) for row in self._query(stmt)]
 
     def busy_devices(self, devices: list[tuple[str, str]]) -> dict[tuple[str, str], str]:
-        busy: dict[tuple[str, str], str] = {}
-        for site, device in devices:
-            rows = self._query("SELECT d.rollout_id FROM rollout_devices d JOIN rollouts r ON r.id = d.rollout_id "
-                               "WHERE d.site=? AND d.device=? AND r.state='running' LIMIT 1", (site, device))
-            if rows:
-                busy[(site, device)] = rows[0][0]
-        return busy
+        if not devices:
+            return {}
+        d, r = schema.rollout_devices, schema.rollouts
+        rows = self._query(select(d.c.site, d.c.device, d.c.rollout_id).join(r, r.c.id == d.c.rollout_id)
+                           .where(r.c.state == "running", tuple_(d.c.site, d.c.device).in_(devices)))
+        return {(row.site, row.device): row.rollout_id for row in rows}
 
     def claim_rollout(self, rollout_id: str, owner: str, lease_s: float, *, now: float | None = None) -> bool:
         now = now or time.time()
-        return self._write("UPDATE rollouts SET driver=?, driver_until=? WHERE id=? AND state='running' "
-                           "AND (driver IS NULL OR driver=? OR driver_until < ?)",
-                           (owner, now + lease_s, rollout_id, owner, now)) == 1
+        r = schema.rollouts
+        return self._write(update(r).where(r.c.id == rollout_id, r.c.state == "running",
+                                           or_(r.c.driver.is_(None), r.c.driver == owner, r.c.driver_until < now))
+                           .values(driver=owner, driver_until=now + lease_s)) == 1
 
     def release_rollouts(self, owner: str) -> None:
-        self._write("UPDATE rollouts SET driver_until=0 WHERE driver=?", (owner,))
+        r = schema.rollouts
+        self._write(update(r).where(r.c.driver == owner).values(driver_until=0))
 
-    def _set(self, table: str, allowed: set[str], fields: dict[str, Any], where: str, args: tuple) -> None:
+    def _set(self, table: Table, allowed: set[str], fields: dict[str, Any], *where: Any) -> None:
         unknown = set(fields) - allowed
         if unknown:
-            raise ValueError(f"not a settable column of {table}: {sorted(unknown)}")
+            raise ValueError(f"not a settable column of {table.name}: {sorted(unknown)}")
         if fields:
-            self._write(f"UPDATE {table} SET {', '.join(f'{k}=?' for k in fields)} WHERE {where}",
-                        (*fields.values(), *args))
+            self._write(update(table).where(*where).values(**fields))
 
     def update_rollout(self, rollout_id: str, **fields: Any) -> None:
-        self._set("rollouts", self._ROLLOUT_FIELDS, fields, "id=?", (rollout_id,))
+        r = schema.rollouts
+        self._set(r, self._ROLLOUT_FIELDS, fields, r.c.id == rollout_id)
 
     def update_rollout_device(self, rollout_id: str, site: str, device: str, **fields: Any) -> None:
-        self._set("rollout_devices", self._ROLLOUT_DEVICE_FIELDS, fields, "rollout_id=? AND site=? AND device=?",
-                  (rollout_id, site, device))
+        d = schema.rollout_devices
+        self._set(d, self._ROLLOUT_DEVICE_FIELDS, fields, d.c.rollout_id == rollout_id, d.c.site == site,
+                  d.c.device == device)
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        self.engine.dispose()
+
+
+class SqliteStore(SqlStore):
+    """The embedded default: one SQLite file (``path``) in WAL mode, shared by the processes of one machine."""
+
+    def __init__(self, path: str | Path = ":memory:") -> None:
+        super().__init__(":memory:" if str(path) == ":memory:" else f"sqlite:///{path}")
+        self.path = str(path)
+
+    @property
+    def journal_mode(self) -> str:
+        with self._tx(write=False) as c:
+            return c.exec_driver_sql("PRAGMA journal_mode").scalar()
+
+
+def open_store(db: str | Path) -> SqlStore:
+    """The store a ``[cloud] db`` setting names: ``postgresql://…``, ``sqlite:///…`` or a plain SQLite path."""
+    return SqlStore(db)

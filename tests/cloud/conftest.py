@@ -57,3 +57,40 @@ def idle_engine(cloud_engine):
     yield cloud_engine
     m = cloud_engine.metrics()
     assert m["requests_running"] == 0 and m["requests_waiting"] == 0, m
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A real PostgreSQL cluster for the session (tests/cloud/postgres.py); skipped only without its binaries."""
+    from tests.cloud.postgres import PostgresServer, find_bin_dir
+
+    bin_dir = find_bin_dir()
+    if bin_dir is None:
+        pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) not found on PATH or under "
+                    "/usr/lib/postgresql/*/bin: run .ci/install (it installs Debian's postgresql)")
+    server = PostgresServer(bin_dir)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request, tmp_path: Path) -> str:
+    """The same test on both backends: a fresh SQLite file, or a fresh PostgreSQL database migrated to head."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'db' / 'cloud.db'}"
+    from apiary.cloud.db import migrate
+
+    url = request.getfixturevalue("postgres").create_database()
+    migrate.upgrade(url)
+    return url
+
+
+@pytest.fixture
+def any_store(store_url: str):
+    """A store on each backend (see ``store_url``), closed afterwards."""
+    from apiary.cloud.store import open_store
+
+    store = open_store(store_url)
+    yield store
+    store.close()

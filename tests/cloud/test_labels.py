@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from apiary.cli import app
-from apiary.cloud.store import SqliteStore
+from apiary.cloud.store import SqliteStore, open_store
 from apiary.shared.protocol import ASSESSMENTS, SensorEvent
 
 
@@ -101,9 +101,10 @@ def test_label_relabel_and_export_as_training_rows(make_service, keys, tmp_path)
     assert later.exit_code == 0 and "wrote 0" in later.stdout and out.read_text() == ""
 
 
-def test_export_since_and_errors(tmp_path):
-    db = tmp_path / "cloud.db"
-    store = SqliteStore(db)
+def test_export_since_and_errors(tmp_path, store_url):
+    """On SQLite and on PostgreSQL: --db takes a path or a database URL."""
+    db = store_url
+    store = open_store(db)
     for seq in range(3):
         store.record_event(f"e-{seq}", reading("hive-1", seq))
     store.label_event("e-1", "robbing", note=None, key_id="k1", labelled_at=1_700_000_000.0)
@@ -131,8 +132,9 @@ def test_a_database_from_before_labels_gains_the_table(tmp_path):
     store = SqliteStore(db)
     store.record_event("e-0", reading("hive-1", 0))
     store.close()
-    with sqlite3.connect(db) as old:  # what an older version left behind: no labels table
+    with sqlite3.connect(db) as old:  # what an older version left behind: no labels table, no schema version
         old.execute("DROP TABLE labels")
+        old.execute("DROP TABLE alembic_version")
     store = SqliteStore(db)
     try:
         assert store.event("e-0")["label"] is None and store.event("e-0")["seq"] == 0

@@ -15,7 +15,7 @@ import pytest
 
 from apiary.cloud.metrics import Metrics
 from apiary.cloud.recorder import Recorder
-from apiary.cloud.store import SqliteStore
+from apiary.cloud.store import SqlStore
 from apiary.shared import topics
 from apiary.shared.config import MqttConfig
 from apiary.shared.protocol import Body, DeviceState, InferenceResult, OtaStatus, SensorEvent, make
@@ -30,7 +30,7 @@ SITE = "s1"
 class FleetRecorder:
     """A recorder as ``cloud serve`` runs it: the cloud's login, its own metrics, one store."""
 
-    def __init__(self, config: MqttConfig, store: SqliteStore, client_id: str) -> None:
+    def __init__(self, config: MqttConfig, store: SqlStore, client_id: str) -> None:
         self.metrics = Metrics()
         self.transport = MqttTransport(config, client_id, persistent=False)
         Recorder(store, self.metrics).attach(self.transport)
@@ -42,10 +42,9 @@ class FleetRecorder:
 
 
 @pytest.fixture
-def store(tmp_path) -> Iterator[SqliteStore]:
-    s = SqliteStore(tmp_path / "cloud.db")
-    yield s
-    s.close()
+def store(any_store) -> SqlStore:
+    """The recorder's store on SQLite and on PostgreSQL (tests/cloud/conftest.py)."""
+    return any_store
 
 
 @pytest.fixture
@@ -53,7 +52,7 @@ def start(acl_mosquitto: AclBroker) -> Iterator[Callable[..., Any]]:
     """``start(user, client_id)`` a transport, ``start(store=..., client_id=...)`` a recorder; all stopped after."""
     made: list[MqttTransport] = []
 
-    def _start(user: str = "cloud", client_id: str = "cloud-recorder", *, store: SqliteStore | None = None):
+    def _start(user: str = "cloud", client_id: str = "cloud-recorder", *, store: SqlStore | None = None):
         if store is not None:
             rec = FleetRecorder(acl_mosquitto.login("cloud"), store, client_id)
             made.append(rec.transport)
@@ -79,11 +78,11 @@ def event(device: str, seq: int) -> SensorEvent:
     return SensorEvent(site=SITE, device=device, seq=seq, timestamp=time.time(), readings={"hive_temp_c": 35.0})
 
 
-def node(store: SqliteStore, device: str) -> dict[str, Any] | None:
+def node(store: SqlStore, device: str) -> dict[str, Any] | None:
     return next((d for d in store.devices(SITE) if d["device"] == device), None)
 
 
-def recorded_event(store: SqliteStore, device: str, seq: int) -> Callable[[], bool]:
+def recorded_event(store: SqlStore, device: str, seq: int) -> Callable[[], bool]:
     return lambda: any(e["seq"] == seq for e in store.events(SITE, device))
 
 

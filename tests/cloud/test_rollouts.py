@@ -9,7 +9,7 @@ import pytest
 
 from apiary.cloud import rollouts
 from apiary.cloud.errors import CloudError
-from apiary.cloud.store import SqliteStore
+from apiary.cloud.store import open_store
 from apiary.shared import image
 from apiary.shared.protocol import DeviceState, OtaCommand, OtaStatus
 
@@ -105,8 +105,8 @@ def test_an_outcome_once_recorded_stands_whatever_the_device_reports_later() -> 
 class Fleet:
     """The store a cloud process would have, a clock, and the commands the driver published."""
 
-    def __init__(self, tmp_path: Path, nodes: list[tuple[str, str]]) -> None:
-        self.store = SqliteStore(tmp_path / "cloud.db")
+    def __init__(self, store_url: str, nodes: list[tuple[str, str]]) -> None:
+        self.store = open_store(store_url)
         self.now = 1000.0
         self.sent: list[OtaCommand] = []
         self.link_up = True
@@ -149,8 +149,9 @@ NODES = [("s", "a"), ("s", "b"), ("s", "c")]
 
 
 @pytest.fixture
-def fleet(tmp_path: Path):
-    f = Fleet(tmp_path, NODES)
+def fleet(store_url: str):
+    """On SQLite and on PostgreSQL (tests/cloud/conftest.py)."""
+    f = Fleet(store_url, NODES)
     yield f
     f.store.close()
 

@@ -1,4 +1,5 @@
-"""The storage layer on real SQLite files: session rules, idempotency, escalation claims."""
+"""The storage layer on real SQLite files and a real PostgreSQL (the same tests on both, via ``store``):
+session rules, idempotency, escalation claims."""
 from __future__ import annotations
 
 import threading
@@ -11,7 +12,12 @@ from apiary.shared.protocol import DeviceState, InferenceResult, OtaStatus, Sens
 
 
 @pytest.fixture
-def store(tmp_path):
+def store(any_store):
+    return any_store
+
+
+@pytest.fixture
+def sqlite_store(tmp_path):
     s = SqliteStore(tmp_path / "db" / "cloud.db")
     yield s
     s.close()
@@ -26,8 +32,8 @@ def result(request_id: str = "r1", status: str = "ok", text: str = "answer") -> 
                            text=text, latency_ms=12.5, prompt_tokens=30, completion_tokens=5)
 
 
-def test_wal_mode_and_bad_path(store, tmp_path):
-    assert store.journal_mode == "wal"
+def test_wal_mode_and_bad_path(sqlite_store, tmp_path):
+    assert sqlite_store.journal_mode == "wal"
     (tmp_path / "file").write_text("x")
     with pytest.raises(CloudError, match="cannot"):
         SqliteStore(tmp_path / "file" / "cloud.db")
@@ -181,3 +187,92 @@ def test_concurrent_claims_across_connections(tmp_path):
     assert sorted(outcomes) == ["busy", "busy", "busy", "claimed"]
     for s in stores:
         s.close()
+
+
+def test_the_fleet_listing_is_one_statement_whatever_the_fleet_size(store):
+    """No N+1: devices() joins each device's newest OTA status in the same statement."""
+    from sqlalchemy import event
+
+    for i in range(6):
+        store.record_state(DeviceState(site="meadow", device=f"hive-{i}", status="birth", online=True, session=1))
+        for n, phase in enumerate(("downloading", "verified", "committed")[: i % 4]):
+            store.record_ota_status(f"o-{i}-{n}", OtaStatus(site="meadow", device=f"hive-{i}", image_version="2.0",
+                                                            phase=phase), received_at=1000.0 + n)
+    store.record_ota_status("o-tie", OtaStatus(site="meadow", device="hive-2", image_version="2.1", phase="failed"),
+                            received_at=1001.0)  # same instant as hive-2's "verified": the later one counts
+    statements: list[str] = []
+    listen = lambda conn, cursor, sql, *rest: statements.append(sql)  # noqa: E731
+    event.listen(store.engine, "before_cursor_execute", listen)
+    try:
+        fleet = store.devices()
+    finally:
+        event.remove(store.engine, "before_cursor_execute", listen)
+    assert len([s for s in statements if s.lstrip().upper().startswith("SELECT")]) == 1, statements
+    last = {d["device"]: d["last_ota"] and (d["last_ota"]["image_version"], d["last_ota"]["phase"]) for d in fleet}
+    assert last == {"hive-0": None, "hive-1": ("2.0", "downloading"), "hive-2": ("2.1", "failed"),
+                    "hive-3": ("2.0", "committed"), "hive-4": None, "hive-5": ("2.0", "downloading")}
+    assert fleet[3]["last_ota"]["received_at"] == 1002.0 and fleet[3]["online"] is True
+
+
+def test_retention_prunes_in_batches_and_keeps_labels_and_unfinished_claims(store):
+    old, new = 1000.0, 5000.0
+    for i in range(7):
+        ev = SensorEvent(site="meadow", device="hive-1", seq=i, timestamp=float(i), readings={})
+        store.record_event(f"old-{i}", ev, received_at=old)
+        store.record_answer(f"a-old-{i}", result(f"r{i}"), received_at=old)
+        store.record_ota_status(f"o-old-{i}", OtaStatus(site="meadow", device="hive-1", image_version="2",
+                                                        phase="verified"), received_at=old)
+    store.record_event("new-0", SensorEvent(site="meadow", device="hive-1", seq=99, timestamp=99.0, readings={}),
+                       received_at=new)
+    store.record_answer("a-new", result("rn"), received_at=new)
+    store.label_event("old-3", "swarming", note=None, key_id="k")  # training data: kept however old
+    claim = dict(site="meadow", device="hive-1", priority=0, reason="", worker="w1", lease_s=30.0)
+    store.claim_escalation("done-old", request_id="q1", now=old, **claim)
+    store.finish_escalation("done-old", result("q1"), finished_at=old)
+    store.claim_escalation("pending-old", request_id="q2", now=old, **claim)  # unfinished: never pruned
+    store.claim_escalation("done-new", request_id="q3", now=new, **claim)
+    store.finish_escalation("done-new", result("q3"), finished_at=new)
+
+    removed = store.prune(3000.0, batch=2)
+    assert removed == {"events": 6, "answers": 7, "ota_status": 7, "escalations": 1}
+    assert [e["envelope_id"] for e in store.events("meadow", "hive-1")] == ["new-0", "old-3"]
+    assert store.event("old-3")["label"]["assessment"] == "swarming"
+    assert [a["envelope_id"] for a in store.answers("meadow", "hive-1")] == ["a-new"]
+    assert store.ota_statuses("meadow", "hive-1") == []
+    assert sorted(e["key"] for e in store.escalations()) == ["done-new", "pending-old"]
+    assert [u.key for u in store.unfinished_escalations("w1")] == ["pending-old"]
+    assert store.prune(3000.0, batch=2) == {"events": 0, "answers": 0, "ota_status": 0, "escalations": 0}
+
+
+def test_the_retention_task_prunes_periodically(store):
+    """The retention task the service runs (cloud/retention.py): first run soon after start, then every interval."""
+    import time
+
+    from apiary.cloud.retention import Retention
+
+    for i in range(3):
+        store.record_event(f"e-{i}", SensorEvent(site="meadow", device="hive-1", seq=i, timestamp=float(i),
+                                                 readings={}), received_at=time.time() - 3 * 86400)
+    store.record_event("fresh", SensorEvent(site="meadow", device="hive-1", seq=9, timestamp=9.0, readings={}))
+    task = Retention(store, 2.0, interval_s=0.05, first_after_s=0.0, batch=2).start()
+    try:
+        deadline = time.monotonic() + 30
+        while task.runs < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        task.stop()
+    assert task.runs >= 2 and task.pruned["events"] == 3
+    assert [e["envelope_id"] for e in store.events("meadow", "hive-1")] == ["fresh"]
+    assert Retention(store, 0.0).start()._thread is None  # 0 days: keep everything, no task
+
+
+def test_retention_settings_accept_none_and_refuse_nonsense():
+    from apiary.cloud.settings import CloudSettings
+
+    assert CloudSettings(retention_days="none").retention_days == 0.0
+    assert CloudSettings(retention_days=30).retention_days == 30.0
+    with pytest.raises(ValueError, match="retention_days"):
+        CloudSettings(retention_days=-1)
+    with pytest.raises(ValueError, match="unsupported database URL"):
+        CloudSettings(db="mysql://h/db")
+    assert CloudSettings(db="postgresql://u@h/db").db == "postgresql://u@h/db"
