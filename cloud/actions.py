@@ -24,7 +24,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from apiary.shared.confidence import Confidence, measure, topk_entropy
+from apiary.shared.confidence import MIN_LOGPROB, Confidence, measure, topk_entropy
 from apiary.shared.prompting import ACTION_JSON_SCHEMA, parse_action
 
 TOP_LOGPROBS = 20  # alternatives per token for the entropy estimate (the engine's maximum)
@@ -99,11 +99,44 @@ async def generate_action(engine, prompt: str | list[int] | None = None, *,
                             structured=StructuredOutput("json_schema", ACTION_SCHEMA_SPEC))
     out = await engine.generate(ids, params=params, priority=priority)
     conf = score_tokens(engine.tokenizer, out.output_token_ids, out.logprobs, quantile=quantile, span=span)
-    parsed = parse_action(out.text)
-    error = None
-    if parsed is None:
-        error = (f"answer cut off at max_tokens={budget} before the JSON was complete: {out.text[-80:]!r}"
-                 if out.finish_reason == "length" else f"the answer is not a valid action: {out.text[:200]!r}")
-    return ActionOutcome(out.text, parsed.model_dump(mode="json") if parsed else None, error,
-                         len(out.prompt_token_ids), len(out.output_token_ids), out.metrics.first_token_time, conf)
+    parsed, error = action_outcome(out.text, out.finish_reason, budget)
+    return ActionOutcome(out.text, parsed, error, len(out.prompt_token_ids), len(out.output_token_ids),
+                         out.metrics.first_token_time, conf)
+
+
+def action_outcome(text: str, finish_reason: str | None, max_tokens: int) -> tuple[dict[str, Any] | None, str | None]:
+    """The Action in an answer (the edge's parser) or why there is none: whichever backend answered."""
+    parsed = parse_action(text)
+    if parsed is not None:
+        return parsed.model_dump(mode="json"), None
+    if finish_reason == "length":
+        return None, f"answer cut off at max_tokens={max_tokens} before the JSON was complete: {text[-80:]!r}"
+    return None, f"the answer is not a valid action: {text[:200]!r}"
+
+
+def score_openai_logprobs(text: str, content: Sequence[dict[str, Any]], *, quantile: float = 0.1,
+                          span: str = "decision") -> Confidence:
+    """The edge's confidence rule over an OpenAI chat answer's ``logprobs.content`` (an upstream's answer).
+
+    Byte offsets come from each token's ``bytes`` (its text's UTF-8 where a server omits them). Tokens past
+    the answer's text (an end token some servers list, e.g. ``<|im_end|>``) are not scored, as the engine
+    path drops the end token. The choice logprob is what the upstream reports: our own API reports it among
+    the grammar-allowed tokens, as the engine does; servers that report the raw distribution's (llama.cpp's
+    server, vLLM by default) give a lower bound of it, so their scores read less sure.
+    """
+    answer = len(text.encode("utf-8"))
+    offsets: list[int] = []
+    logprobs: list[float] = []
+    entropies: list[float] = []
+    pos = 0
+    for token in content:
+        if pos >= answer:
+            break
+        raw = token.get("bytes")
+        size = len(raw) if isinstance(raw, list) else len(str(token.get("token", "")).encode("utf-8"))
+        offsets.append(pos)
+        logprobs.append(float(token.get("logprob", MIN_LOGPROB)))
+        entropies.append(topk_entropy([float(t["logprob"]) for t in token.get("top_logprobs") or []]))
+        pos += size
+    return measure(text, offsets, logprobs, entropies, quantile=quantile, span=span)
 

@@ -75,7 +75,12 @@ class CloudService:
         self.metrics = Metrics()
         from apiary.cloud.api.health import Lifecycle
 
-        self.lifecycle = Lifecycle(broker_required=bool(settings.broker))  # what /ready answers; drain() moves it
+        if settings.backend == "openai":  # no model: ready while the upstream answers its probe
+            from apiary.cloud.upstream import UpstreamLifecycle
+
+            self.lifecycle = UpstreamLifecycle(broker_required=bool(settings.broker))
+        else:
+            self.lifecycle = Lifecycle(broker_required=bool(settings.broker))  # what /ready answers; drain() moves it
         self.gate = None  # cloud.api.health.Gate: what uvicorn serves (probes while the model loads, then the app)
         self._served = None  # the engine as the API and the worker use it (its requests observed for metrics)
         self.transport = None
@@ -121,10 +126,16 @@ class CloudService:
                 api_key = self.keys.create(SCOPES, name="generated", persist=False)
             self.gate = Gate(self.lifecycle, self.metrics)
             url = self._start_http(sock, timeout)  # /health and /ready answer while the model loads
-            self.engine = self.engine or build_engine(s)
+            if s.backend == "openai":  # escalations go to the upstream; torch and the engine are never imported
+                from apiary.cloud.upstream import build_upstream
+
+                self._served = self.engine = self.engine or build_upstream(s)
+                self.engine.watch(self.lifecycle, s.upstream_probe_s)
+            else:
+                self.engine = self.engine or build_engine(s)
+                self.metrics.watch_engine(self.engine.metrics, s.model_name)
+                self._served = self.metrics.observed(self.engine, s.model_name)
             self.lifecycle.model_loaded = True
-            self.metrics.watch_engine(self.engine.metrics, s.model_name)
-            self._served = self.metrics.observed(self.engine, s.model_name)
             if s.broker:
                 self._start_mqtt(timeout)
             self.lifecycle.transport = self.transport
@@ -132,6 +143,10 @@ class CloudService:
                              model_name=s.model_name, transport=self.transport, rollouts=self.rollouts)
             ctx.lifecycle = self.lifecycle
             self.app = create_app(ctx)
+            if s.backend == "openai":
+                from apiary.cloud.upstream import InferenceElsewhere
+
+                self.app = InferenceElsewhere(self.app, s.upstream_url)
             self.gate.app = self.app
         except BaseException:
             if self._server is None or not self._server.started:
@@ -163,9 +178,10 @@ class CloudService:
             self.metrics.watch_fleet(self.transport, self.store.devices)
         if s.escalations:
             self.worker = EscalationWorker(self._served, self.store, WorkerConfig(
-                worker_id=s.worker_id, model_name=s.model_name, share_group=s.share_group,
+                worker_id=s.worker_id, share_group=s.share_group,
+                model_name=f"openai:{s.upstream_model}" if s.backend == "openai" else s.model_name,
                 concurrency=s.worker_concurrency, claim_lease_s=s.claim_lease_s,
-                overload_retry_s=s.overload_retry_s), self.metrics)
+                overload_retry_s=s.overload_retry_s, backend=s.backend), self.metrics)
             self.worker.start(self.transport)
         try:
             self.transport.start(timeout=timeout)

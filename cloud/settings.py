@@ -82,6 +82,21 @@ class CloudSettings(BaseModel):
     draft_model: str | None = None  # draft checkpoint path or registry name (required for "draft")
     draft_layers: int | None = Field(default=None, ge=1)  # use only the draft's first n layers
 
+    # who answers escalations: "engine" (this process runs the model) or "openai" (an OpenAI-compatible server
+    # at upstream_url: vLLM, SGLang, llama.cpp's server, Ollama, another apiary cloud; this process then loads
+    # no model and no torch). docs/cloud.md "Any OpenAI-compatible upstream"
+    backend: Literal["engine", "openai"] = "engine"
+    upstream_url: str | None = None  # the OpenAI base URL, e.g. http://vllm:8000/v1
+    upstream_model: str | None = None  # the "model" of each request (required with backend = "openai")
+    upstream_key_file: str | None = None  # a file holding the upstream's API key (never the key in this file)
+    upstream_key_env: str | None = None  # ... or the name of an environment variable holding it
+    upstream_prompt_style: Literal["examples", "short"] = "examples"  # "short" for a task-tuned upstream model
+    upstream_timeout_s: float = Field(default=120.0, gt=0)  # one request, connect to last byte
+    upstream_retry_s: float = Field(default=300.0, ge=0)  # retry 5xx/429/connection errors this long
+    upstream_priority: bool = True  # send vLLM's "priority" (vLLM needs --scheduling-policy priority for it)
+    upstream_logprobs: bool = True  # ask for logprobs (the answer's confidence)
+    upstream_probe_s: float = Field(default=10.0, gt=0)  # /ready re-probes the upstream this often
+
     # storage: postgresql://user:pass@host/db (replicas on several machines; run `apiary cloud db upgrade`
     # first), sqlite:///path, or a plain path = SQLite, the embedded default (upgraded at start)
     db: str = ".apiary/cloud.db"
@@ -120,6 +135,18 @@ class CloudSettings(BaseModel):
         for path in (self.tls_cert, self.tls_key):
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"TLS file not found: {path}")
+        return self
+
+    @model_validator(mode="after")
+    def _upstream(self) -> "CloudSettings":
+        if self.backend == "openai":
+            if not self.upstream_url or not self.upstream_url.startswith(("http://", "https://")):
+                raise ValueError(f"backend = 'openai' needs upstream_url, an http(s) base URL such as "
+                                 f"http://host:8000/v1 (got {self.upstream_url!r})")
+            if not self.upstream_model:
+                raise ValueError("backend = 'openai' needs upstream_model, the model name the upstream serves")
+            if self.upstream_key_file and self.upstream_key_env:
+                raise ValueError("give the upstream key as upstream_key_file or upstream_key_env, not both")
         return self
 
     @field_validator("broker")

@@ -19,7 +19,9 @@ them. For every request the worker
    same way when the deadline passes while it is queued or running (the engine request is
    aborted, its KV blocks freed);
 3. runs the engine at the request's priority (smaller = more urgent, the same scale on
-   both sides) and replies ``InferenceResult(tier="cloud")`` on that reply topic with
+   both sides), or with ``backend="openai"`` sends it to an OpenAI-compatible upstream
+   (``apiary.cloud.upstream``: the same schema, priority and confidence rule; an upstream that
+   stays unreachable leaves the request unfinished, its claim released, for the edge's re-send), and replies ``InferenceResult(tier="cloud")`` on that reply topic with
    the request's correlation id; a ``json_action`` answer is decoded under the action's JSON
    Schema and carries its confidence, scored by the edge's rule (``apiary.cloud.actions``);
 4. stores the result with its outcome and latency.
@@ -48,6 +50,7 @@ from apiary.shared.protocol import Envelope, InferenceRequest, InferenceResult, 
 from apiary.cloud.actions import ActionOutcome, generate_action
 from apiary.cloud.metrics import Metrics
 from apiary.cloud.store import Store
+from apiary.cloud.upstream import UpstreamUnavailable
 
 _log = get_logger("apiary.cloud.worker")
 
@@ -60,17 +63,19 @@ class WorkerConfig:
     concurrency: int = 32
     claim_lease_s: float = 60.0
     overload_retry_s: float = 10.0  # keep retrying a full engine queue this long before answering "deferred"
+    backend: str = "engine"  # "engine": ``engine`` is an AsyncEngine; "openai": a cloud.upstream.UpstreamClient
 
 
 class EscalationWorker:
     def __init__(self, engine, store: Store, config: WorkerConfig, metrics: Metrics | None = None) -> None:
-        self.engine = engine  # cloud.engine.AsyncEngine
+        self.engine = engine  # cloud.engine.AsyncEngine, or cloud.upstream.UpstreamClient (backend "openai")
         self.store = store
         self.config = config
         self.metrics = metrics or Metrics()
         self.transport = None
         self.stats = {"received": 0, "computed": 0, "cached": 0, "busy": 0, "expired": 0, "errors": 0, "ignored": 0,
-                      "overload_retries": 0, "identity_mismatch": 0, "reply_to_refused": 0, "resumed": 0}
+                      "overload_retries": 0, "identity_mismatch": 0, "reply_to_refused": 0, "resumed": 0,
+                      "unavailable": 0}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name=f"escalations-{config.worker_id}", daemon=True)
         self._inflight: dict[tuple[str, str, str], list[Envelope]] = {}  # (site, device, request id) -> waiters
@@ -236,6 +241,13 @@ class EscalationWorker:
                 self.store.release_escalation(key)
                 self._inflight.pop(ident, None)
                 raise
+            except UpstreamUnavailable as e:  # no answer is better than a wrong one: the re-send comes back
+                await asyncio.to_thread(self.store.release_escalation, key)
+                self._inflight.pop(ident, None)
+                self.stats["unavailable"] += 1
+                self.metrics.escalations.labels(outcome="unavailable").inc()
+                _log.warning("escalation %s left unfinished for the edge's re-send: %s", req.request_id, e)
+                return None
             await asyncio.to_thread(self.store.finish_escalation, key, result)
             for waiter in self._inflight.pop(ident, [env]):
                 self._reply(waiter, result)
@@ -257,7 +269,7 @@ class EscalationWorker:
 
     # ---- inference ------------------------------------------------------------------------------
     async def _answer(self, req: InferenceRequest, received_at: float) -> InferenceResult:
-        from apiary.cloud.engine import EngineError, EngineOverloaded, RequestRejected
+        EngineError, EngineOverloaded, RequestRejected = self._errors()
 
         def result(status: str, **fields) -> InferenceResult:
             return InferenceResult(
@@ -278,6 +290,8 @@ class EscalationWorker:
             return result("deferred", error=f"cloud engine overloaded, retry later: {e}")
         except RequestRejected as e:
             return result("rejected", error=str(e))
+        except UpstreamUnavailable:
+            raise  # not an answer: handle() leaves the request unfinished
         except (EngineError, ValueError) as e:
             self.stats["errors"] += 1
             return result("error", error=f"{type(e).__name__}: {e}")
@@ -289,9 +303,20 @@ class EscalationWorker:
                       error=outcome.error, confidence=outcome.score, logprob_quantiles=outcome.quantiles,
                       prompt_tokens=outcome.prompt_tokens, completion_tokens=outcome.completion_tokens)
 
+    def _errors(self) -> tuple[type[Exception], type[Exception], type[Exception]]:
+        """The backend's (failed, overloaded, rejected) exceptions; the engine's are imported only for the engine
+        (importing cloud.engine loads torch)."""
+        if self.config.backend == "openai":
+            from apiary.cloud.upstream import UpstreamError, UpstreamOverloaded, UpstreamRejected
+
+            return UpstreamError, UpstreamOverloaded, UpstreamRejected
+        from apiary.cloud.engine import EngineError, EngineOverloaded, RequestRejected
+
+        return EngineError, EngineOverloaded, RequestRejected
+
     async def _limited(self, req: InferenceRequest) -> ActionOutcome:
         """Run within the worker's concurrency; a full engine queue is retried with backoff, not bounced."""
-        from apiary.cloud.engine import EngineOverloaded
+        EngineOverloaded = self._errors()[1]
 
         async with self._semaphore:
             give_up = time.monotonic() + self.config.overload_retry_s
@@ -308,8 +333,7 @@ class EscalationWorker:
 
     async def _infer(self, req: InferenceRequest) -> ActionOutcome:
         """One engine request: the schema-constrained Action (``json_action``, with its confidence) or plain text."""
-        from apiary.cloud.engine import RequestRejected, SamplingParams
-
+        RequestRejected = self._errors()[2]
         messages = [m.model_dump() for m in req.messages]
         if req.event is not None and req.response_format == "json_action" and (
                 not messages or self.engine.prompt_style != "examples"):
@@ -322,6 +346,12 @@ class EscalationWorker:
         if not messages and req.prompt is None:
             raise RequestRejected("the request has neither messages, a prompt nor an event")
         prompt = None if messages else req.prompt
+        if self.config.backend == "openai":  # a bare prompt is sent as the user's message
+            return await self.engine.answer(messages or [{"role": "user", "content": prompt}],
+                                            action=req.response_format == "json_action", max_tokens=req.max_tokens,
+                                            temperature=req.temperature, priority=req.priority)
+        from apiary.cloud.engine import SamplingParams
+
         if req.response_format == "json_action":
             return await generate_action(self.engine, prompt, messages=messages or None, max_tokens=req.max_tokens,
                                          temperature=req.temperature, priority=req.priority)

@@ -9,6 +9,7 @@ a bare 500.
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Coroutine
 
 from fastapi import FastAPI, Request
@@ -111,8 +112,6 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
 
 
 def install(app: FastAPI) -> None:
-    from apiary.cloud.engine import EngineError, EngineOverloaded, RequestRejected
-
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_message(list(exc.errors()))
@@ -123,6 +122,18 @@ def install(app: FastAPI) -> None:
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None),
                               param=getattr(exc, "param", None), code=getattr(exc, "code", None))
+
+    if "apiary.cloud.engine" in sys.modules:  # else no engine runs here (backend "openai": torch is never loaded)
+        _install_engine(app)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        _log.exception("unhandled error on %s", request.url.path)
+        return error_response(500, "internal error", code="internal_error")
+
+
+def _install_engine(app: FastAPI) -> None:
+    from apiary.cloud.engine import EngineError, EngineOverloaded, RequestRejected
 
     @app.exception_handler(EngineOverloaded)
     async def _overloaded(request: Request, exc: EngineOverloaded) -> JSONResponse:
@@ -139,8 +150,3 @@ def install(app: FastAPI) -> None:
     async def _engine(request: Request, exc: EngineError) -> JSONResponse:
         _log.error("engine error on %s: %s", request.url.path, exc)
         return error_response(500, f"engine error: {exc}", code="engine_error")
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        _log.exception("unhandled error on %s", request.url.path)
-        return error_response(500, "internal error", code="internal_error")
