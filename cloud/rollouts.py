@@ -20,7 +20,9 @@ timeout passed without a final phase), and then :func:`decide` says what follows
   the rollout is **completed**.
 
 The recorder wakes the driver on every stored OTA status; it also looks every ``poll_s``
-(timeouts, statuses recorded by another replica). A process drives a rollout under a lease
+(timeouts, statuses recorded by another replica). A rollback to an older image carries one operator-signed
+grant per device (kept in the rollout's ``target`` under ``rollback``), which the driver puts on that device's
+command. A process drives a rollout under a lease
 in the store (``claim_rollout``) so two replicas never drive the same one; a restart under
 the same worker id takes its own rollouts back at once.
 """
@@ -37,7 +39,7 @@ from typing import Any, Callable
 
 from apiary.shared import image, topics
 from apiary.shared.logs import get_logger
-from apiary.shared.protocol import OtaCommand, make
+from apiary.shared.protocol import OtaCommand, RollbackGrant, make
 
 from apiary.cloud.errors import CloudError
 from apiary.cloud.store import Store
@@ -344,9 +346,12 @@ class RolloutDriver:
         if d.wave_started:
             self.store.update_rollout(rollout_id, wave=d.wave, wave_started_at=now)
             _log.info("rollout %s: wave %d of %d starts", rollout_id, d.wave + 1, rollout["waves"])
+        grants = rollout["target"].get("rollback") or {}  # a signed rollback: one operator grant per device
         for site, device in d.send:
+            grant = grants.get(f"{site}/{device}")
             cmd = OtaCommand(site=site, device=device, image_version=rollout["image_version"], url=rollout["url"],
-                             sha256=rollout["sha256"], signature=rollout["signature"], size=rollout["size"])
+                             sha256=rollout["sha256"], signature=rollout["signature"], size=rollout["size"],
+                             rollback=RollbackGrant.model_validate(grant) if grant else None)
             sent_at = self.clock()  # before publishing: every status of this command arrives after it
             if self.publish(cmd):
                 self.store.update_rollout_device(rollout_id, site, device, sent_at=sent_at)

@@ -1,4 +1,4 @@
-"""`apiary finetune`, `apiary distill`, `apiary quantize`, `apiary image keygen|build|verify|command|rollout` and
+"""`apiary finetune`, `apiary distill`, `apiary quantize`, `apiary image keygen|build|verify|command|rollback|rollout` and
 `apiary pki init|issue`: making what runs on devices, and the certificates they connect with."""
 from __future__ import annotations
 
@@ -254,6 +254,110 @@ def ota_command(archive: Path = typer.Argument(...),
         typer.echo(f"published on {topics.ota_command(site, device)}")
 
 
+@image_app.command("rollback")
+def rollback(archive: Path = typer.Argument(..., help="The older signed image to go back to."),
+             site: str = typer.Option(..., help="Site of the devices (their MQTT group)."),
+             device: list[str] = typer.Option(..., help="Device to take back (repeatable): one grant each."),
+             operator_key: Path = typer.Option(..., help="An operator's private key (`apiary image keygen`); the "
+                                                         "devices trust its public key in [edge.ota] operator_keys."),
+             public_key: Path = typer.Option(..., help="The image key's public key, to check the archive first."),
+             ttl: float = typer.Option(900.0, min=1.0, help="Seconds the grants stay valid (a device takes each "
+                                                            "once, up to 30 days)."),
+             url: Optional[str] = typer.Option(None, help="Send through the cloud's REST API (POST /v1/fleet/ota), "
+                                                          "e.g. http://127.0.0.1:8000; the archive must be in its "
+                                                          "images directory under the same name."),
+             api_key: Optional[str] = typer.Option(None, help="With --url: a key with the operator scope."),
+             broker: Optional[str] = typer.Option(None, help="Or publish on this broker (mqtt://host:port)..."),
+             download_url: Optional[str] = typer.Option(None, help="...with this URL the devices download from.")
+             ) -> None:
+    """Take devices back to an older image: sign one rollback grant per device with an operator key (for that
+    device and image only, until --ttl runs out, once) and send the OTA commands; a device refuses an older image
+    without one. Each device then reports committed or rolled_back as for any update."""
+    from apiary.shared.image import ImageError, sign_rollback, verify_image
+    from apiary.shared.protocol import OtaCommand
+
+    if (url is None) == (broker is None) or (url is not None and not api_key) or (broker and not download_url):
+        _fail("give either --url and --api-key (the cloud's REST API) or --broker and --download-url")
+    try:
+        info = verify_image(archive, public_key)
+        commands = [sign_rollback(OtaCommand(site=site, device=d, image_version=info.manifest.image_version,
+                                             url=download_url or f"{(url or '').rstrip('/')}/v1/images/{archive.name}", sha256=info.sha256,
+                                             signature=info.signature, size=info.size), operator_key, ttl_s=ttl)
+                    for d in dict.fromkeys(device)]
+    except (ImageError, ValueError) as e:
+        _fail(str(e))
+    if url is not None:
+        import httpx
+
+        with httpx.Client(base_url=url.rstrip("/"), headers={"Authorization": f"Bearer {api_key}"}, timeout=30) as http:
+            for cmd in commands:
+                body = {"site": site, "device": cmd.device, "image_version": cmd.image_version,
+                        "filename": archive.name, "sha256": cmd.sha256, "signature": cmd.signature, "size": cmd.size,
+                        "rollback": cmd.rollback.model_dump()}
+                try:
+                    r = http.post("/v1/fleet/ota", json=body)
+                except httpx.HTTPError as e:
+                    _fail(f"cannot reach {url}: {e}")
+                if r.status_code != 200:
+                    _fail(f"the cloud refused the rollback of {site}/{cmd.device} ({r.status_code}): "
+                          f"{_error_message(r)}")
+                [target] = r.json()["targets"]
+                if not target["acked"]:
+                    _fail(f"the broker did not acknowledge the rollback command to {site}/{cmd.device}")
+                typer.echo(f"rollback of {site}/{cmd.device} to {cmd.image_version} sent on {target['topic']} "
+                           f"(grant valid until {_utc(cmd.rollback.expires)}, nonce {cmd.rollback.nonce})")
+        return
+    from apiary.shared import topics
+    from apiary.shared.config import MqttConfig
+    from apiary.shared.protocol import make
+    from apiary.shared.transport import MqttTransport
+
+    with MqttTransport(MqttConfig.from_url(broker), f"apiary-rollback-{site}", persistent=False) as t:
+        for cmd in commands:
+            topic = topics.ota_command(site, cmd.device)
+            if not t.publish(topic, make(cmd, sender="apiary-image"), qos=1, timeout=10):
+                _fail(f"the broker did not acknowledge the rollback command to {site}/{cmd.device} within 10 s")
+            typer.echo(f"rollback of {site}/{cmd.device} to {cmd.image_version} published on {topic} "
+                       f"(grant valid until {_utc(cmd.rollback.expires)}, nonce {cmd.rollback.nonce})")
+
+
+def _rollback_grants(http, archive: Path, body: dict, operator_key: Path, ttl: float) -> dict:
+    """The request fields of a signed rollback rollout: the archive's sha256 (the cloud refuses another) and one
+    grant per target device, the targets of --site/--all read from the fleet API as the cloud resolves them."""
+    import httpx
+
+    from apiary.shared.image import ImageError, read_manifest, sha256_file, sign_rollback
+    from apiary.shared.protocol import OtaCommand
+
+    try:
+        manifest, signature = read_manifest(archive)
+        sha256 = sha256_file(archive)
+    except (ImageError, OSError) as e:
+        _fail(f"--operator-key needs FILENAME as a local copy of the served archive: {e}")
+    if body.get("sha256") not in (None, sha256):
+        _fail(f"{archive} has sha256 {sha256}, not --sha256 {body['sha256']}")
+    nodes = [(n["site"], n["device"]) for n in body.get("devices") or []]
+    if not nodes:
+        try:
+            r = http.get("/v1/fleet/devices", params={"site": body["site"]} if body.get("site") else None)
+        except httpx.HTTPError as e:
+            _fail(f"cannot reach the cloud: {e}")
+        if r.status_code != 200:
+            _fail(f"cannot list the fleet ({r.status_code}): {_error_message(r)}")
+        nodes = sorted((d["site"], d["device"]) for d in r.json() if d.get("role") == "edge")
+    grants = []
+    for site, device in nodes:
+        cmd = sign_rollback(OtaCommand(site=site, device=device, image_version=manifest.image_version, url="-",  # unsigned: the cloud puts its own
+                                       sha256=sha256, signature=signature, size=archive.stat().st_size),
+                            operator_key, ttl_s=ttl)
+        grants.append({"site": site, "device": device, **cmd.rollback.model_dump()})
+    return {"sha256": sha256, "rollback": grants}
+
+
+def _utc(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+
+
 @image_app.command("rollout")
 def rollout(filename: str = typer.Argument(..., help="An image in the cloud's images directory (`cloud serve --images`)."),
             url: str = typer.Option(..., help="The cloud's REST API, e.g. http://127.0.0.1:8000."),
@@ -272,7 +376,12 @@ def rollout(filename: str = typer.Argument(..., help="An image in the cloud's im
                                                             "did not count as failed."),
             sha256: Optional[str] = typer.Option(None, help="Refuse unless the served archive has this sha256 (as "
                                                             "`image build` printed it)."),
-            poll: float = typer.Option(2.0, min=0.05, help="Seconds between progress checks.")) -> None:
+            poll: float = typer.Option(2.0, min=0.05, help="Seconds between progress checks."),
+            operator_key: Optional[Path] = typer.Option(None, help="A rollback to an older image: sign one grant per "
+                                                                   "target device with this operator key; FILENAME is "
+                                                                   "then a local copy of the served archive."),
+            rollback_ttl: float = typer.Option(86400.0, min=1.0, help="With --operator-key: seconds the grants stay "
+                                                                      "valid (the whole rollout must fit).")) -> None:
     """Roll an image out through the cloud (POST /v1/fleet/rollouts) in waves, canary first, and print each
     device's progress until the rollout completed (exit 0) or was aborted (exit 1)."""
     import httpx
@@ -289,6 +398,9 @@ def rollout(filename: str = typer.Argument(..., help="An image in the cloud's im
     if all_devices:
         body["all"] = True
     with httpx.Client(base_url=url.rstrip("/"), headers={"Authorization": f"Bearer {api_key}"}, timeout=30) as http:
+        if operator_key is not None:
+            body.update(_rollback_grants(http, Path(filename), body, operator_key, rollback_ttl))
+            body["filename"] = Path(filename).name
         try:
             r = http.post("/v1/fleet/rollouts", json=body)
         except httpx.HTTPError as e:

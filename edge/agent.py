@@ -120,11 +120,16 @@ class EdgeAgent:
         self._swap_lock = threading.Lock()
         if settings.ota.enabled:
             try:
+                operator_keys = [image.load_public_key(k) for k in settings.ota.operator_keys]
+            except image.ImageError as e:
+                raise EdgeError(f"[edge.ota] operator_keys: {e}") from None
+            try:
                 self.ota = OtaUpdater(state_dir / f"{site}.{device}.ota", self.transport, site, device,
                                       settings.resolve_ota_key(), health_check=self._check_and_stage,
                                       max_attempts=settings.ota.download_attempts,
                                       max_image_bytes=settings.ota.max_image_bytes,
-                                      min_free_bytes=settings.ota.min_free_bytes, defer=self._ota_defers)
+                                      min_free_bytes=settings.ota.min_free_bytes, defer=self._ota_defers,
+                                      operator_keys=operator_keys)
             except image.ImageError as e:
                 raise EdgeError(f"[edge.ota] public_key: {e}") from None
 

@@ -18,7 +18,8 @@ One update (:meth:`OtaUpdater.handle`), each phase reported as ``OtaStatus`` on
         | deferred (the battery is too low now; the ``.part`` file is kept for later)
 
 Before a byte is written the command must pass the device's own limits: its version may not
-be older than the running image's (anti-rollback; see :func:`version_key`), its size not
+be older than the running image's (anti-rollback; see :func:`version_key`) unless it carries an
+operator's rollback grant that verifies (:class:`RollbackLedger`, :meth:`OtaUpdater._rollback_refusal`), its size not
 above ``max_image_bytes`` (the stream is cut at the announced size too), and the disk must
 hold the rest of the download and the unpacked model with ``min_free_bytes`` to spare.
 Downloaded bytes are kept only to resume the same image: a refused or failed-for-good
@@ -49,6 +50,8 @@ log = get_logger("apiary.edge.ota")
 
 SLOTS = ("a", "b")
 BOOT_FILE = "boot.json"
+NONCE_FILE = "rollback-nonces.json"
+MAX_GRANT_S = 30 * 86400  # a rollback grant valid for longer is refused (the ledger keeps each nonce that long)
 
 
 class HealthCheckFailed(Exception):
@@ -126,17 +129,7 @@ class SlotStore:
 
     def write(self, state: BootState) -> None:
         """Replace boot.json atomically and durably: a power cut leaves the old or the new state."""
-        tmp = self.boot_file.with_name(BOOT_FILE + ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(state.to_json())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.boot_file)
-        fd = os.open(self.root, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        image.write_durable(self.boot_file, state.to_json(), sync_dir=True)
 
     def manifest(self, slot: str | None) -> image.Manifest | None:
         if slot is None:
@@ -148,6 +141,32 @@ class SlotStore:
 
     def inactive(self, state: BootState) -> str:
         return "b" if state.active == "a" else "a"
+
+
+class RollbackLedger:
+    """The nonces of the rollback grants this device used, each kept until its grant expires (a grant can then no
+    longer pass anyway), so a grant installs at most once however often its command is replayed. Written like
+    ``boot.json``: one atomic, fsynced replace."""
+
+    def __init__(self, root: Path) -> None:
+        self.path = root / NONCE_FILE
+
+    def _read(self) -> dict[str, int]:
+        try:
+            doc = json.loads(self.path.read_bytes())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:  # never with atomic writes; refuse rollbacks rather than forget nonces
+            raise OSError(f"unreadable {self.path.name}: {e}") from None
+        return {str(k): int(v) for k, v in doc.items()} if isinstance(doc, dict) else {}
+
+    def spent(self, nonce: str) -> bool:
+        return nonce in self._read()
+
+    def spend(self, nonce: str, expires: int, now: float) -> None:
+        kept = {n: e for n, e in self._read().items() if e >= now}
+        kept[nonce] = expires
+        image.write_durable(self.path, json.dumps(kept, sort_keys=True).encode(), sync_dir=True)
 
 
 # ---------------------------------------------------------------- download
@@ -296,11 +315,13 @@ class OtaUpdater:
                  public_key: str | bytes | Path, *, health_check: HealthCheck | None = None,
                  http_client: Any = None, max_attempts: int = 5, retry_delay_s: float = 1.0,
                  http_timeout_s: float = 30.0, max_image_bytes: int | None = None, min_free_bytes: int = 0,
-                 defer: Deferral | None = None, builtin_version: str | None = None) -> None:
+                 defer: Deferral | None = None, builtin_version: str | None = None,
+                 operator_keys: list[str | bytes | Path] = (), clock: Callable[[], float] = time.time) -> None:
         """``max_image_bytes``: larger commands are refused (None: no limit); ``min_free_bytes``: what the
         disk must still hold after the download and the unpacked model; ``defer``: asked before and during
         a download; ``builtin_version``: the image the built-in model came from, the version floor while
-        no slot is active (None: unknown, any version may install)."""
+        no slot is active (None: unknown, any version may install); ``operator_keys``: the Ed25519 keys whose
+        rollback grants may take the device to an older image (none: never)."""
         self.store = SlotStore(state_dir)
         self.transport, self.site, self.device = transport, site, device
         self.public_key = image.load_public_key(public_key)  # fail at start-up, not during an update
@@ -309,6 +330,9 @@ class OtaUpdater:
         self.max_image_bytes, self.min_free_bytes = max_image_bytes, min_free_bytes
         self.defer = defer or (lambda: None)
         self.builtin_version = builtin_version
+        self.operator_keys = [image.load_public_key(k) for k in operator_keys]  # fail at start-up too
+        self.clock = clock
+        self.ledger = RollbackLedger(self.store.root)
         self._client = http_client
         self._lock = threading.Lock()
         self.boot_status: OtaStatus | None = self.recover()
@@ -407,7 +431,10 @@ class OtaUpdater:
         except image.ImageError as e:
             self._discard(archive)
             return self._report(cmd, "refused", f"{e.reason}: {e}")
-        self._report(cmd, "verified", f"signature and hashes ok; model {info.manifest.model.filename}")
+        self._report(cmd, "verified", f"signature and hashes ok; model {info.manifest.model.filename}"
+                     + (" (operator-signed rollback)" if cmd.rollback else ""))
+        if cmd.rollback is not None:  # spent from here on: the slots change for it
+            self.ledger.spend(cmd.rollback.nonce, cmd.rollback.expires, self.clock())
 
         target, old = self.store.inactive(state), state.active
         if state.previous == target:  # the fallback slot is about to be overwritten: stop pointing at it
@@ -446,9 +473,13 @@ class OtaUpdater:
     def _refusal(self, cmd: OtaCommand, archive: Path) -> str | None:
         """Why the device will not take this image whatever its signature says, checked before any download."""
         running = self.running_version()
-        if running is not None and is_older(cmd.image_version, running):
-            return (f"downgrade: {cmd.image_version} is older than the running {running} (anti-rollback; "
-                    f"publish the wanted model as a newer version)")
+        if cmd.rollback is not None:
+            why = self._rollback_refusal(cmd)
+            if why is not None:
+                return why
+        elif running is not None and is_older(cmd.image_version, running):
+            return (f"downgrade: {cmd.image_version} is older than the running {running} (anti-rollback: going back "
+                    f"takes a rollback command signed by an operator key this device trusts, `apiary image rollback`)")
         if self.max_image_bytes is not None and cmd.size > self.max_image_bytes:
             return f"too large: {cmd.size} bytes, this device takes images up to {self.max_image_bytes} bytes"
         part = archive.with_name(archive.name + ".part")
@@ -462,6 +493,28 @@ class OtaUpdater:
         if free < need:
             return (f"disk: {free} bytes free, the update needs {need} ({to_download} to download, {to_unpack} to "
                     f"unpack, {self.min_free_bytes} kept free for the device's store)")
+        return None
+
+    def _rollback_refusal(self, cmd: OtaCommand) -> str | None:
+        """Why the operator's rollback grant on ``cmd`` does not lift the version floor (None: it does): no trusted
+        operator key, a signature by none of them over this command's device, image and expiry, an expired or
+        overlong grant, or a nonce this device already used."""
+        grant = cmd.rollback
+        assert grant is not None
+        if not self.operator_keys:
+            return "rollback: this device trusts no operator key ([edge.ota] operator_keys), so it takes no rollback"
+        try:
+            image.verify_rollback(cmd, self.operator_keys)
+        except image.ImageError as e:
+            return f"rollback: {e}"
+        now = self.clock()
+        if grant.expires <= now:
+            return f"rollback: the grant expired {now - grant.expires:.0f} s ago"
+        if grant.expires - now > MAX_GRANT_S:
+            return (f"rollback: the grant is valid for {(grant.expires - now) / 86400:.0f} days, more than the "
+                    f"{MAX_GRANT_S // 86400} this device accepts")
+        if self.ledger.spent(grant.nonce):
+            return f"rollback: nonce {grant.nonce} was used before (a replayed command)"
         return None
 
     def _fetch(self, cmd: OtaCommand, archive: Path) -> None:

@@ -89,6 +89,9 @@ class OtaSettings(_Section):
     # The Ed25519 public key images must be signed with: 64 hex characters, a PEM, or a file holding
     # either. None: the release key shipped beside the edge student (shared/models/edge-student).
     public_key: str | None = None
+    # Operators' Ed25519 public keys (same forms): a rollback grant signed by one of them lets an OTA command
+    # install an image older than the running one (`apiary image rollback`). Empty: no rollback is accepted.
+    operator_keys: list[str] = Field(default_factory=list)
     # Refused before a byte is written, whatever the command announces (and the stream is cut there too).
     max_image_bytes: int = Field(default=256 * 1024 * 1024, ge=1)
     # Left free after the download and the unpacked model: the SQLite store, logs and the OS need it.

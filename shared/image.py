@@ -24,6 +24,7 @@ import io
 import json
 import os
 import re
+import secrets
 import tarfile
 import time
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from apiary.shared.protocol import OtaCommand, RollbackGrant
 
 IMAGE_FORMAT = 1
 MANIFEST_NAME = "manifest.json"
@@ -47,7 +50,8 @@ class ImageError(ValueError):
     ``reason`` is one of: ``format`` (not a valid image archive or manifest), ``hash``
     (archive sha256 differs from the expected one), ``signature`` (bad or mismatched
     signature, wrong key), ``model_hash`` (model bytes differ from the manifest),
-    ``version`` (manifest version differs from the one announced), ``key`` (unreadable key).
+    ``version`` (manifest version differs from the one announced), ``key`` (unreadable key), ``rollback`` (an
+    operator's rollback grant that is missing or does not verify).
     """
 
     def __init__(self, reason: str, message: str) -> None:
@@ -219,6 +223,41 @@ def verify_signature(manifest_bytes: bytes, signature_hex: str, public_key: str 
         raise ImageError("signature", "manifest signature does not verify with the trusted public key") from None
 
 
+# ---------------------------------------------------------------- operator rollback grants
+
+
+def sign_rollback(cmd: OtaCommand, private_key: str | bytes | Path, *, ttl_s: float, now: float | None = None,
+                  nonce: str | None = None) -> OtaCommand:
+    """``cmd`` carrying an operator's :class:`RollbackGrant`: valid ``ttl_s`` seconds from ``now``, for this
+    command's device and image only, once (a fresh random nonce unless given)."""
+    if ttl_s <= 0:
+        raise ImageError("rollback", f"a rollback grant needs a positive lifetime, got {ttl_s} s")
+    expires = int((time.time() if now is None else now) + ttl_s)
+    nonce = nonce or secrets.token_hex(16)
+    signature = load_private_key(private_key).sign(cmd.rollback_message(expires, nonce)).hex()
+    return cmd.model_copy(update={"rollback": RollbackGrant(expires=expires, nonce=nonce, signature=signature)})
+
+
+def verify_rollback(cmd: OtaCommand, public_keys: list[Any]) -> str:
+    """The hex public key among ``public_keys`` whose signature ``cmd.rollback`` carries; ``ImageError('rollback')``
+    when it has none or no key verifies it (signed by another key, or for another device, image or expiry)."""
+    from cryptography.exceptions import InvalidSignature
+
+    grant = cmd.rollback
+    if grant is None:
+        raise ImageError("rollback", "the command carries no rollback grant")
+    message, signature = cmd.rollback_message(grant.expires, grant.nonce), bytes.fromhex(grant.signature)
+    for key in public_keys:
+        loaded = load_public_key(key)
+        try:
+            loaded.verify(signature, message)
+        except InvalidSignature:
+            continue
+        return _public_hex(loaded)
+    raise ImageError("rollback", "the rollback grant's signature does not verify with any operator key this device "
+                                 "trusts for this device, image and expiry")
+
+
 # ---------------------------------------------------------------- build
 
 
@@ -306,6 +345,18 @@ def _read_member(tar: tarfile.TarFile, member: tarfile.TarInfo, limit: int) -> b
     return f.read()
 
 
+def read_manifest(path: str | Path) -> tuple[Manifest, str]:
+    """An archive's manifest and signature as it announces them, NOT verified (what a sender needs to address a
+    command; devices verify)."""
+    tar, members = _open(Path(path))
+    with tar:
+        if MANIFEST_NAME not in members or SIGNATURE_NAME not in members:
+            raise ImageError("format", f"image must contain {MANIFEST_NAME} and {SIGNATURE_NAME}")
+        manifest = Manifest.from_bytes(_read_member(tar, members[MANIFEST_NAME], MAX_MANIFEST_BYTES))
+        signature = _read_member(tar, members[SIGNATURE_NAME], 1024).decode("ascii", "replace").strip().lower()
+    return manifest, signature
+
+
 def verify_image(path: str | Path, public_key: str | bytes | Path, *, expected_sha256: str | None = None,
                  expected_signature: str | None = None, expected_version: str | None = None) -> ImageInfo:
     """Authenticate an archive without writing anything: archive hash, signature, manifest, model hash."""
@@ -388,22 +439,26 @@ def unpack_image(path: str | Path, dest: str | Path, public_key: str | bytes | P
     if digest != manifest.model.sha256:  # the archive changed under us between verify and unpack
         (dest / manifest.model.filename).unlink(missing_ok=True)
         raise ImageError("model_hash", "model changed while unpacking")
-    _write_durable(dest / SIGNATURE_NAME, info.signature.encode())
-    _write_durable(dest / MANIFEST_NAME, manifest.to_bytes())  # last: its presence marks a complete slot
-    _fsync_dir(dest)
+    write_durable(dest / SIGNATURE_NAME, info.signature.encode())
+    write_durable(dest / MANIFEST_NAME, manifest.to_bytes())  # last: its presence marks a complete slot
+    fsync_dir(dest)
     return info
 
 
-def _write_durable(path: Path, data: bytes) -> None:
+def write_durable(path: Path, data: bytes, *, sync_dir: bool = False) -> None:
+    """Replace ``path`` with ``data`` atomically and durably (a temporary file, fsynced, renamed over it); with
+    ``sync_dir`` the rename itself is fsynced too, so a power cut leaves the old or the new file."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    if sync_dir:
+        fsync_dir(path.parent)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -16,6 +16,7 @@ a silent drop deep in a consumer.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from enum import StrEnum
@@ -183,6 +184,27 @@ class DeviceState(_Body):
     counters: dict[str, Int64] = Field(default_factory=dict)
 
 
+class RollbackGrant(_Body):
+    """An operator's signed permission for one device to install one older image, once, until ``expires``.
+
+    The signature (Ed25519, by a key in the device's ``[edge.ota] operator_keys``) covers
+    :func:`rollback_message`: the command's site, device, image version and archive sha256, ``rollback: true``,
+    ``expires`` and ``nonce``. So it cannot be moved to another device or image, used after it expires, or used
+    twice (the device keeps the nonces it spent)."""
+
+    expires: Count  # unix seconds
+    nonce: str = Field(pattern=r"^[0-9a-f]{16,64}$")
+    signature: str = Field(pattern=r"^[0-9a-f]{128}$")  # Ed25519 over rollback_message(...), hex
+
+
+def rollback_message(site: str, device: str, image_version: str, sha256: str, expires: int, nonce: str) -> bytes:
+    """The exact bytes a :class:`RollbackGrant` signs: canonical JSON (sorted keys, no spaces) of the command's
+    fields that must not change, with ``rollback: true`` so no other signed document can pass for one."""
+    doc = {"site": site, "device": device, "image_version": image_version, "sha256": sha256, "rollback": True,
+           "expires": expires, "nonce": nonce}
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
 class OtaCommand(_Body):
     site: Name
     device: Name
@@ -191,6 +213,13 @@ class OtaCommand(_Body):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     signature: str  # Ed25519 signature of the manifest, hex
     size: Count
+    # An explicit rollback to an older image (added within schema version 1; without it a device refuses
+    # anything older than what it runs).
+    rollback: RollbackGrant | None = None
+
+    def rollback_message(self, expires: int, nonce: str) -> bytes:
+        """What a rollback grant for this command signs (:func:`rollback_message`)."""
+        return rollback_message(self.site, self.device, self.image_version, self.sha256, expires, nonce)
 
 
 OtaPhase = Literal[

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from apiary.shared.logs import get_logger
-from apiary.shared.protocol import Assessment, OtaCommand
+from apiary.shared.protocol import Assessment, OtaCommand, RollbackGrant
 
 from apiary.cloud.api.errors import ERROR_RESPONSES
 from apiary.cloud.api.schemas import ErrorResponse
@@ -49,6 +49,9 @@ class OtaRequest(BaseModel):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     signature: str = Field(pattern=r"^[0-9a-f]{128}$", description="Ed25519 signature of the manifest, hex")
     size: int = Field(ge=0)
+    rollback: RollbackGrant | None = Field(default=None, description=(
+        "an operator's signed rollback grant for this device and image (`apiary image rollback`): lets the device "
+        "install an image older than the one it runs; needs device"))
 
 
 class OtaTarget(BaseModel):
@@ -209,6 +212,8 @@ def publish_ota(request: Request, body: OtaRequest) -> OtaPublished:
         raise HTTPException(404, f"image {body.filename!r} is not in the images directory")
     if image.stat().st_size != body.size:
         raise HTTPException(422, f"size {body.size} does not match {body.filename} ({image.stat().st_size} bytes)")
+    if body.rollback is not None and not body.device:
+        raise HTTPException(422, "a rollback grant is signed for one device: give device")
     if ctx.transport is None or not ctx.transport.connected:
         raise HTTPException(503, "not connected to the MQTT broker; cannot publish the OTA command")
     if body.device:
@@ -221,7 +226,7 @@ def publish_ota(request: Request, body: OtaRequest) -> OtaPublished:
     published = []
     for device in targets:
         cmd = OtaCommand(site=body.site, device=device, image_version=body.image_version, url=url,
-                         sha256=body.sha256, signature=body.signature, size=body.size)
+                         sha256=body.sha256, signature=body.signature, size=body.size, rollback=body.rollback)
         topic, acked = publish_command(ctx.transport, cmd, sender=ctx.settings.worker_id)
         published.append(OtaTarget(site=body.site, device=device, topic=topic, acked=acked))
     return OtaPublished(url=url, targets=published)

@@ -28,6 +28,14 @@ class Node(BaseModel):
     device: str = Field(pattern=NAME_PATTERN)
 
 
+class NodeGrant(Node):
+    """An operator's signed rollback grant for one target device (``apiary image rollback``'s, per device)."""
+
+    expires: int = Field(ge=0)
+    nonce: str = Field(pattern=r"^[0-9a-f]{16,64}$")
+    signature: str = Field(pattern=r"^[0-9a-f]{128}$")
+
+
 class RolloutRequest(BaseModel):
     """An image the server holds, one target (``site``, ``devices`` or ``all``), the waves and the abort rule."""
 
@@ -49,6 +57,9 @@ class RolloutRequest(BaseModel):
                                                                        "rolled back, was refused, failed or timed out")
     wave_timeout_s: float = Field(default=1800, gt=0, le=30 * 86400, description="a device of a wave that has not "
                                                                                  "committed by then counts as failed")
+    rollback: list[NodeGrant] | None = Field(default=None, min_length=1, max_length=10000, description=(
+        "a rollback to an older image: one operator-signed grant per target device (`apiary image rollout "
+        "--operator-key` signs them), which each device checks against its [edge.ota] operator_keys"))
 
     @model_validator(mode="after")
     def _one_target(self) -> "RolloutRequest":
@@ -125,6 +136,12 @@ def create_rollout(request: Request, body: RolloutRequest, key: Annotated[ApiKey
             devices=[(n.site, n.device) for n in body.devices] if body.devices is not None else None)
     except CloudError as e:
         raise HTTPException(404 if isinstance(e, rollouts.NoTargets) else 422, str(e)) from None
+    grants = None
+    if body.rollback is not None:
+        grants = {(g.site, g.device): g.model_dump(include={"expires", "nonce", "signature"}) for g in body.rollback}
+        if missing := [f"{s}/{d}" for s, d in targets if (s, d) not in grants]:
+            raise HTTPException(422, f"a rollback needs a grant for every target device; none for {', '.join(missing)}")
+        target["rollback"] = {f"{s}/{d}": grants[(s, d)] for s, d in targets}
     try:
         rollout_id = rollouts.create(ctx.store, facts, image_url(request, body.filename), targets,
                                      canary=body.canary, wave_size=body.wave_size, max_failed_pct=body.max_failed_pct,

@@ -344,3 +344,93 @@ def test_the_routes_show_rollouts_and_refuse_what_they_cannot_run(api, fleet: Fl
     (tmp_path / "images" / "edge.tar").write_bytes(b"x" * 10)
     r = api.post("/v1/fleet/rollouts", json=ok)
     assert r.status_code == 503 and "MQTT broker" in r.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------- signed rollbacks
+
+
+@pytest.fixture
+def live_api(fleet: Fleet, tmp_path: Path, mosquitto):
+    """The real app on the fleet's store with a real broker connection (Mosquitto) and the fleet's driver."""
+    from starlette.testclient import TestClient
+
+    from apiary.cloud.api import AppContext, create_app
+    from apiary.cloud.auth import KeyRing
+    from apiary.cloud.metrics import Metrics
+    from apiary.cloud.settings import CloudSettings
+    from apiary.shared.transport import MqttTransport
+
+    keys = KeyRing(tmp_path / "keys.jsonl")
+    settings = CloudSettings(images=str(tmp_path / "images"), db=str(tmp_path / "cloud.db"),
+                             api_key_file=str(keys.path))
+    (tmp_path / "images").mkdir()
+    with MqttTransport(mosquitto.config, "cloud-1", persistent=False) as transport:
+        app = create_app(AppContext(settings=settings, engine=None, store=fleet.store, keys=keys, metrics=Metrics(),
+                                    model_name="m", transport=transport, rollouts=fleet.driver()))
+        with TestClient(app, headers={"Authorization": f"Bearer {keys.create(['operator'])}"}) as client:
+            yield client
+
+
+def older_image(tmp_path: Path) -> tuple[image.ImageInfo, tuple[Path, Path]]:
+    """A signed 2026.1.0 image in the app's images directory and an operator key pair."""
+    model = tmp_path / "src" / "model.gguf"
+    model.parent.mkdir()
+    model.write_bytes(b"GGUF" + bytes(1000))
+    image_key, _ = image.write_keypair(tmp_path / "keys", "image")
+    info = image.build_image(tmp_path / "images" / "edge-2026.1.0.tar", model, "2026.1.0", image_key)
+    return info, image.write_keypair(tmp_path / "keys", "operator")
+
+
+def grant_for(info: image.ImageInfo, site: str, device: str, key: Path) -> dict:
+    cmd = OtaCommand(site=site, device=device, image_version=info.manifest.image_version, url="-", sha256=info.sha256,
+                     signature=info.signature, size=info.size)
+    return {"site": site, "device": device, **image.sign_rollback(cmd, key, ttl_s=3600).rollback.model_dump()}
+
+
+def test_a_rollback_rollout_gives_each_device_its_own_grant_and_needs_one_for_every_target(
+        live_api, fleet: Fleet, tmp_path: Path) -> None:
+    info, (operator, operator_pub) = older_image(tmp_path)
+    grants = [grant_for(info, s, d, operator) for s, d in NODES]
+    body = {"filename": info.path.name, "site": "s", "canary": 0.3}
+    r = live_api.post("/v1/fleet/rollouts", json={**body, "rollback": grants[:2]})
+    assert r.status_code == 422 and "needs a grant for every target device; none for s/c" in r.text, r.text
+    assert fleet.sent == []
+
+    r = live_api.post("/v1/fleet/rollouts", json={**body, "rollback": grants})
+    assert r.status_code == 201, r.text
+    [canary] = fleet.sent  # sent before the answer
+    assert (canary.device, canary.image_version, canary.rollback.nonce) == ("a", "2026.1.0", grants[0]["nonce"])
+    assert image.verify_rollback(canary, [operator_pub]) == operator_pub.read_text().strip()
+    fleet.report("a", "committed", version="2026.1.0")
+    fleet.driver().step()
+    assert [c.device for c in fleet.sent] == ["a", "b", "c"]
+    for cmd, grant in zip(fleet.sent, grants):
+        assert cmd.rollback.model_dump() == {k: grant[k] for k in ("expires", "nonce", "signature")}
+        image.verify_rollback(cmd, [operator_pub])  # each verifies for its own device only
+    with pytest.raises(image.ImageError):
+        image.verify_rollback(fleet.sent[1].model_copy(update={"rollback": fleet.sent[2].rollback}), [operator_pub])
+
+
+def test_the_ota_route_sends_a_signed_rollback_to_one_device_over_the_broker(live_api, fleet: Fleet, tmp_path: Path,
+                                                                             mosquitto) -> None:
+    from apiary.shared import topics
+    from apiary.shared.transport import MqttTransport
+    from tests.shared.helpers import Inbox, wait_until
+
+    info, (operator, operator_pub) = older_image(tmp_path)
+    grant = grant_for(info, "s", "b", operator)
+    body = {"site": "s", "image_version": "2026.1.0", "filename": info.path.name, "sha256": info.sha256,
+            "signature": info.signature, "size": info.size, "rollback": {k: grant[k] for k in ("expires", "nonce",
+                                                                                               "signature")}}
+    r = live_api.post("/v1/fleet/ota", json=body)  # a whole site: a grant names one device
+    assert r.status_code == 422 and "a rollback grant is signed for one device: give device" in r.text, r.text
+    inbox = Inbox()
+    with MqttTransport(mosquitto.config, "device-b", persistent=False) as device:
+        device.subscribe(topics.ota_command("s", "b"), inbox)
+        assert device.wait_subscribed(10)
+        r = live_api.post("/v1/fleet/ota", json={**body, "device": "b"})
+        assert r.status_code == 200 and r.json()["targets"][0]["acked"], r.text
+        wait_until(lambda: inbox.envs, 10, "the rollback command on the device's ota/cmd topic")
+    cmd = inbox.envs[0].body
+    assert cmd.rollback.nonce == grant["nonce"] and cmd.url.endswith(f"/v1/images/{info.path.name}")
+    image.verify_rollback(cmd, [operator_pub])
