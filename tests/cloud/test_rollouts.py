@@ -434,3 +434,20 @@ def test_the_ota_route_sends_a_signed_rollback_to_one_device_over_the_broker(liv
     cmd = inbox.envs[0].body
     assert cmd.rollback.nonce == grant["nonce"] and cmd.url.endswith(f"/v1/images/{info.path.name}")
     image.verify_rollback(cmd, [operator_pub])
+
+
+def test_the_rollout_cli_signs_a_grant_for_every_device_the_cloud_resolves(live_api, fleet: Fleet,
+                                                                           tmp_path: Path) -> None:
+    """`apiary image rollout --operator-key`'s request: the site's edge devices read from the fleet API, one grant
+    each over the local archive's version and sha256; the cloud takes it and every command verifies."""
+    from apiary.deploy.cli import _rollback_grants
+
+    info, (operator, operator_pub) = older_image(tmp_path)
+    body = {"filename": info.path.name, "site": "s", "canary": 1.0}
+    body.update(_rollback_grants(live_api, info.path, body, operator, 3600))
+    assert body["sha256"] == info.sha256 and [(g["site"], g["device"]) for g in body["rollback"]] == NODES
+    r = live_api.post("/v1/fleet/rollouts", json=body)
+    assert r.status_code == 201, r.text
+    assert [c.device for c in fleet.sent] == ["a", "b", "c"]  # canary 1.0: one wave
+    for cmd in fleet.sent:
+        image.verify_rollback(cmd, [operator_pub])
