@@ -25,9 +25,14 @@ def demo(
     drain: float = typer.Option(120.0, help="after the traffic stops, wait up to this long for the answers still "
                                            "outstanding (a countdown shows it; Ctrl-C again stops at once)"),
     live: bool = typer.Option(True, help="show the live terminal view (plain progress lines when not a terminal)"),
+    rollout: bool = typer.Option(True, help="roll a freshly signed image of the edges' model out to every device "
+                                            "(a canary wave, then the rest) through the cloud's REST API"),
+    rollout_at: float = typer.Option(0.5, min=0.0, max=1.0, help="when the rollout starts, as a fraction of "
+                                                                 "--duration (or as soon as the cloud is up)"),
 ) -> None:
-    """Run broker, cloud, edge agents, bridge and simulator with injected anomalies, then answer every event still
-    waiting; Ctrl-C stops the traffic early (and waits for those answers), a second Ctrl-C stops at once."""
+    """Run broker, cloud, edge agents, bridge and simulator with injected anomalies, roll a signed edge image out
+    halfway through, then answer every event still waiting (and let the rollout finish); Ctrl-C stops the traffic
+    early (and waits for those answers), a second Ctrl-C stops at once."""
     from rich.console import Console
 
     from apiary.chart import save_chart
@@ -41,7 +46,7 @@ def demo(
     run_dir = results / time.strftime("%Y%m%d-%H%M%S")
     mesh = Mesh(MeshOptions(sites=sites, devices=devices, rate=rate, seed=seed, broker_url=broker,
                             results_dir=run_dir, anomaly_window_s=0.6 * duration, early_first_anomaly=True,
-                            traffic_before_cloud=True))
+                            traffic_before_cloud=True, rollout=rollout))
     startup: list[tuple[str, float]] = []
     traffic_stopped_early = drain_stopped_early = False
     summary: dict = {}
@@ -66,13 +71,21 @@ def demo(
         show_connect(console, run_dir, mesh.cloud_url, mesh.api_key, mesh.mqtt.url, mesh.supervisor.log_dir)
         with DemoView(console, live=live) as view:
             def refresh(title: str) -> None:
-                view.update(mesh.observer.snapshot(), mesh.engine_metrics(), title)
+                view.update({**mesh.observer.snapshot(), "rollout": mesh.rollout_state()}, mesh.engine_metrics(),
+                            title)
 
             end = mesh.traffic_started + duration  # the traffic began while the cloud was still loading
+            rollout_from = mesh.traffic_started + rollout_at * duration
+            asked = not rollout  # the cloud took (or refused) the rollout
+
+            def ask_for_rollout() -> bool:
+                return asked or (time.monotonic() >= rollout_from and mesh.start_rollout())
+
             try:
                 while time.monotonic() < end:
                     if crashed := mesh.crashed():
                         raise MeshError(f"a component exited: {crashed[0]}")
+                    asked = ask_for_rollout()
                     refresh(f"Apiary Mesh demo — {end - time.monotonic():.0f} s of traffic left")
                     time.sleep(1.0)
             except KeyboardInterrupt:
@@ -80,13 +93,23 @@ def demo(
             mesh.stop_simulator()
             drain_started = time.monotonic()
             deadline = drain_started + (0.0 if terminated else drain)
+            want_rollout = rollout and (asked or not traffic_stopped_early)  # a rollout started is seen to its end
             try:
-                while not mesh.drain(min(1.0, max(0.0, deadline - time.monotonic()))):
+                while True:
+                    answered = mesh.drain(min(1.0, max(0.0, deadline - time.monotonic())))
+                    if want_rollout:
+                        asked = ask_for_rollout() if not traffic_stopped_early else asked
+                        mesh.rollout_state()
+                    if answered and (not want_rollout or (asked and mesh.rollout.settled)):
+                        break
                     if time.monotonic() >= deadline:
                         break
                     if crashed := mesh.crashed():
                         raise MeshError(f"a component exited: {crashed[0]}")
-                    refresh(drain_title(*mesh.outstanding(), deadline - time.monotonic()))
+                    refresh(drain_title(*mesh.outstanding(), deadline - time.monotonic(),
+                                        rollout=_rollout_word(mesh) if want_rollout else None))
+                    if answered:  # only the rollout is left: drain() returned at once
+                        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
             except KeyboardInterrupt:
                 drain_stopped_early = True
             drain_s = time.monotonic() - drain_started
@@ -100,6 +123,7 @@ def demo(
                    "drain": {"seconds": drain_s, "limit_s": drain, "stopped_early": drain_stopped_early,
                              "complete": mesh.outstanding() == (0, 0)},
                    "traffic_stopped_early": traffic_stopped_early,
+                   "rollout": _rollout_summary(mesh),
                    "interrupted": traffic_stopped_early or drain_stopped_early,
                    "options": {"duration": duration, "sites": sites, "devices": devices, "rate": rate, "seed": seed,
                                "drain": drain}}
@@ -123,8 +147,29 @@ def demo(
     console.print(f"summary: {run_dir / 'summary.json'}   chart: {chart}")
 
 
+def _rollout_word(mesh) -> str | None:
+    """What the drain title says of the rollout: None when there is none to wait for."""
+    state = mesh.rollout_state()
+    if state is None:
+        return None if mesh.rollout.error else "rollout starting"
+    return None if state["state"] != "running" else f"rollout wave {state['wave'] + 1}/{state['waves']}"
+
+
+def _rollout_summary(mesh) -> dict | None:
+    """The rollout's summary, with what happened to the events that arrived while it swapped models."""
+    if mesh.rollout is None:
+        return None
+    mesh.rollout_state()
+    out = mesh.rollout.summary()
+    if out.get("created_at") is not None:
+        out["during"] = mesh.observer.window(out["created_at"], out["finished_at"] or time.time())
+    return out
+
+
 def _print_summary(console, s: dict) -> None:
     from rich.table import Table
+
+    from apiary.rollout import summary_rows
 
     t = Table(title="Apiary Mesh demo — summary")
     t.add_column("measure")
@@ -149,6 +194,7 @@ def _print_summary(console, s: dict) -> None:
         *((f"{tier} answers right (ground truth)", f"{a['right']} / {a['graded']} ({a['accuracy']:.0%})")
           for tier, a in s["accuracy_by_tier"].items()),
         ("cloud tokens", s["cloud_tokens"]),
+        *summary_rows(s.get("rollout")),
     ]
     for k, v in rows:
         t.add_row(k, str(v))

@@ -5,7 +5,9 @@ with a broker restart). The cloud service and every edge agent run as their own
 processes, exactly as ``apiary cloud serve`` / ``apiary edge run`` would on their own
 machines; the simulator drives an in-process bridge through real frames (UDP-style
 datagrams through the frame decoder) so the injected anomalies' ground truth can be
-attached to events for scoring.
+attached to events for scoring. With ``rollout`` the edges trust a demo image key and a
+signed image of their own model is built in the background, ready for :meth:`Mesh.start_rollout`
+(``apiary.rollout``).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Any
 import httpx
 
 from apiary.observer import MeshObserver
+from apiary.rollout import MeshRollout
 from apiary.supervisor import Supervisor
 from apiary.shared import assets
 from apiary.shared.brokers import EmbeddedBroker, MosquittoBroker, free_port
@@ -55,6 +58,10 @@ class MeshOptions:
     # Start the traffic once the edge agents are online, while the cloud may still load its model (the demo: the
     # edges answer from the first seconds); else once everything is up (the benchmark: steady-state latencies).
     traffic_before_cloud: bool = False
+    # Prepare an OTA rollout (a demo key the edges trust, a signed image of their model built once the traffic runs);
+    # start_rollout() then takes it to every edge device through the cloud's REST API, a canary wave first.
+    rollout: bool = False
+    rollout_canary: float = 0.2
 
 
 @dataclass
@@ -66,6 +73,7 @@ class Mesh:
     cloud_url: str = ""
     api_key: str = ""
     observer: MeshObserver | None = None
+    rollout: MeshRollout | None = None
 
     def __post_init__(self) -> None:
         self.results = self.options.results_dir
@@ -87,6 +95,14 @@ class Mesh:
         # Once, before several processes would race to pull or unpack them.
         cloud_model, edge_model = assets.model_file(o.cloud_model), assets.model_file(o.edge_model)
         say(f"cloud model {cloud_model.name}, edge model {edge_model.name}")
+        edge_env = {"APIARY__EDGE__THREADS": str(o.edge_threads)}
+        if o.rollout:
+            self.rollout = MeshRollout(self.results, self.results / "images", edge_model, canary=o.rollout_canary,
+                                       threads=o.edge_threads)
+            # The edges trust the demo's image key. Their update does not wait for the battery: a simulated hive
+            # with a failing battery would hold its wave for longer than a demo runs.
+            edge_env.update({"APIARY__EDGE__OTA__PUBLIC_KEY": self.rollout.public_key,
+                             "APIARY__EDGE__OTA__MIN_SOC": "0"})
         if o.broker_url:
             self.mqtt = MqttConfig.from_url(o.broker_url)
         elif o.use_mosquitto:
@@ -113,8 +129,7 @@ class Mesh:
         for site, node in self.devices():
             self.supervisor.spawn(f"edge-{site}-{node}", [
                 "edge", "run", "--site", site, "--device", node, "--broker", self.mqtt.url, "--model", str(edge_model),
-                "--state-dir", str(self.results / "edge" / f"{site}-{node}")],
-                env={"APIARY__EDGE__THREADS": str(o.edge_threads)})
+                "--state-dir", str(self.results / "edge" / f"{site}-{node}")], env=edge_env)
         self._wait_for_edges()
         say(f"{len(self.devices())} edge agents online")
         # With traffic_before_cloud the edges answer what they can while the cloud loads, and an escalation made
@@ -130,6 +145,8 @@ class Mesh:
         self.traffic_started = time.monotonic()
         self._sim_thread.start()
         say("simulator and bridge running")
+        if self.rollout is not None:  # after the first frames are out: the build never delays an answer
+            self.rollout.build_in_background()
         if o.traffic_before_cloud:
             self._wait_for_cloud_step(cloud.log_path, say)
         return self
@@ -183,6 +200,14 @@ class Mesh:
             if isinstance(self.broker, MosquittoBroker):
                 self.broker.close()
             self.broker = None
+
+    def start_rollout(self) -> bool:
+        """Ask the cloud to roll the demo image out (once built and the cloud is up); True once it is decided."""
+        return self.rollout is None or self.rollout.start(self.cloud_url, self.api_key)
+
+    def rollout_state(self) -> dict[str, Any] | None:
+        """The rollout as the cloud shows it (None before it started)."""
+        return None if self.rollout is None else self.rollout.poll(self.cloud_url, self.api_key)
 
     def crashed(self) -> list[str]:
         return [f"{m.name} (exit {m.proc.returncode}, log {m.log_path})" for m in self.supervisor.failed()]

@@ -19,7 +19,7 @@ from apiary.edge.policy import rule_of
 from apiary.edge.triage import needs_answer
 from apiary.shared import topics
 from apiary.shared.config import MqttConfig
-from apiary.shared.protocol import DeviceState, Envelope, InferenceRequest, InferenceResult, SensorEvent
+from apiary.shared.protocol import DeviceState, Envelope, InferenceRequest, InferenceResult, OtaStatus, SensorEvent
 from apiary.shared.transport import MqttTransport
 
 EventKey = tuple[str, str, int]  # site, device, seq
@@ -66,6 +66,7 @@ class DeviceRecord:
     state: DeviceState | None = None
     first_battery_soc: float | None = None
     energy_j: float = 0.0
+    ota: OtaStatus | None = None  # the newest OTA status the device published
 
 
 @dataclass
@@ -94,6 +95,7 @@ class MeshObserver:
         self.transport.subscribe(topics.all_of("escalate"), self._on_escalation)
         self.transport.subscribe(topics.all_of("state"), self._on_state)
         self.transport.subscribe(topics.all_of("state", site=topics.CLOUD_SITE), self._on_state)
+        self.transport.subscribe(topics.all_of("ota/status"), self._on_ota_status)
         return self
 
     def stop(self) -> None:
@@ -147,13 +149,19 @@ class MeshObserver:
                 if dev.first_battery_soc is None and st.battery_soc is not None:
                     dev.first_battery_soc = st.battery_soc
 
+    def _on_ota_status(self, topic: str, env: Envelope) -> None:
+        st = env.body
+        if isinstance(st, OtaStatus):
+            with self._lock:
+                self.devices.setdefault((st.site, st.device), DeviceRecord()).ota = st
+
     # -------------------------------------------------------------- numbers
 
     def snapshot(self) -> dict[str, Any]:
         """Everything the live view and the final summary show, computed from one consistent copy."""
         with self._lock:
             records = list(self.events.values())
-            devices = {k: (v.state, v.first_battery_soc, v.energy_j) for k, v in self.devices.items()}
+            devices = {k: (v.state, v.first_battery_soc, v.energy_j, v.ota) for k, v in self.devices.items()}
             reasons = dict(self.escalation_reasons)
             escalations, orphans = self.escalations, self.orphan_answers
             now = time.time()
@@ -211,9 +219,28 @@ class MeshObserver:
                 "battery_soc_start": soc0,
                 "budget_tokens_per_hour": st.budget_tokens_per_hour if st else None,
                 "energy_j": energy,
-            } for (s, d), (st, soc0, energy) in sorted(devices.items())},
+                "image_version": st.image_version if st else None,
+                "ota_phase": ota.phase if ota else None,  # the newest OTA status: phase, its image, its progress
+                "ota_image": ota.image_version if ota else None,
+                "ota_progress": ota.progress if ota else None,
+            } for (s, d), (st, soc0, energy, ota) in sorted(devices.items())},
             "nodes_online": {f"{s}/{d}": st.online for (s, d), st in nodes.items()},
         }
+
+    def window(self, start: float, end: float) -> dict[str, Any]:
+        """The events that arrived between ``start`` and ``end`` (wall clock, e.g. while a rollout swapped models):
+        how many needed an answer, how many have exactly one, none, or more than one, and the models that
+        answered them."""
+        with self._lock:
+            records = list(self.events.values())
+        needing = {id(r) for r in needing_answer(records)}
+        inside = [r for r in records if start <= r.seen_at <= end]
+        wanted = [r for r in inside if id(r) in needing]
+        return {"events": len(inside), "needing_answer": len(wanted),
+                "answered_once": sum(1 for r in wanted if r.answers == 1),
+                "unanswered": sum(1 for r in wanted if r.answer is None),
+                "double_answers": sum(1 for r in inside if r.answers > 1),
+                "models": dict(Counter(r.answer.model for r in wanted if r.answer is not None))}
 
     def unanswered(self) -> list[str]:
         """The events that need an answer and have none yet, oldest first, as ``site/device #seq``."""

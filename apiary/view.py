@@ -58,10 +58,11 @@ def backlog_warning(snap: dict[str, Any]) -> str | None:
     return None
 
 
-def drain_title(in_flight: int, waiting: int, seconds_left: float) -> str:
-    """The view's title while the demo waits for its last answers: what is left and the countdown (short enough
-    for the compact layout's border at 80 columns)."""
-    left = f"{waiting} to answer" + (f", {in_flight} in flight" if in_flight else "")
+def drain_title(in_flight: int, waiting: int, seconds_left: float, rollout: str | None = None) -> str:
+    """The view's title while the demo waits for its last answers (and its rollout): what is left and the
+    countdown (short enough for the compact layout's border at 80 columns)."""
+    left = f"{waiting} to answer" + (f", {in_flight} in flight" if in_flight else "") + (f", {rollout}" if rollout
+                                                                                         else "")
     return f"demo draining: {left}, {max(0.0, seconds_left):.0f} s left (Ctrl-C stops)"
 
 
@@ -69,6 +70,26 @@ def _answered(snap: dict[str, Any]) -> str:
     """answered/needing, with how many wait."""
     waiting = snap.get("unanswered", 0)
     return f"{snap['answered']}/{snap['events_needing_answer']}" + (f" ({waiting} waiting)" if waiting else "")
+
+
+def rollout_text(rollout: dict[str, Any] | None) -> str | None:
+    """The OTA rollout in one line (the cloud's view of it: GET /v1/fleet/rollouts/{id}), None when there is none."""
+    if not rollout:
+        return None
+    counts = " · ".join(f"{phase} {n}" for phase, n in sorted(rollout["counts"].items(), key=lambda kv: -kv[1]))
+    where = (f"wave {rollout['wave'] + 1}/{rollout['waves']}" if rollout["state"] == "running"
+             else f"{rollout['waves']} waves")
+    return f"rollout {rollout['image_version']}: {rollout['state']}, {where}: {counts}"
+
+
+def ota_cell(d: dict[str, Any]) -> str:
+    """A device's OTA phase for the view: its newest status (with the download's progress), else '-'."""
+    phase = d.get("ota_phase")
+    if phase is None:
+        return "-"
+    if phase == "downloading" and d.get("ota_progress") is not None:
+        return f"downloading {d['ota_progress']:.0%}"
+    return phase
 
 
 def _warning_line(snap: dict[str, Any]) -> Text | None:
@@ -113,12 +134,13 @@ def full_layout(snap: dict[str, Any], engine: dict[str, Any], title: str) -> Pan
         reasons.add_row(rule, str(n))
 
     devices = Table(title="devices")
-    for c in ("device", "online", "battery", "budget tok/h", "energy J"):
+    for c in ("device", "online", "battery", "budget tok/h", "energy J", "image", "OTA"):
         devices.add_column(c)
     for name, d in snap["devices"].items():
         budget = d["budget_tokens_per_hour"]
         devices.add_row(name, _online(d["online"]), _pct(d["battery_soc"]),
-                        "-" if budget is None else f"{budget:,.0f}", f"{d['energy_j']:.1f}")
+                        "-" if budget is None else f"{budget:,.0f}", f"{d['energy_j']:.1f}",
+                        d.get("image_version") or "-", ota_cell(d))
 
     grid = Table.grid(padding=(0, 2))
     grid.add_row(lat, reasons)
@@ -127,6 +149,8 @@ def full_layout(snap: dict[str, Any], engine: dict[str, Any], title: str) -> Pan
         parts.insert(1, warning)
     if engine:
         parts.append(Panel(_engine_line(engine), title="cloud engine"))
+    if (rollout := rollout_text(snap.get("rollout"))) is not None:
+        parts.append(Text(rollout, no_wrap=True, overflow="ellipsis"))
     parts.append(devices)
     return Panel(Group(*parts), title=title)
 
@@ -167,6 +191,8 @@ def compact_layout(snap: dict[str, Any], engine: dict[str, Any], title: str, wid
     ]
     if (warning := _warning_line(snap)) is not None:
         rows.insert(1, warning)
+    if (rollout := rollout_text(snap.get("rollout"))) is not None:
+        rows.append(Text(rollout, no_wrap=True, overflow="ellipsis"))
     devices = snap["devices"]
     socs = [d["battery_soc"] for d in devices.values() if d["battery_soc"] is not None]
     rows.append(_line(("devices online", f"{sum(1 for d in devices.values() if d['online'])}/{len(devices)}"),
@@ -174,7 +200,8 @@ def compact_layout(snap: dict[str, Any], engine: dict[str, Any], title: str, wid
                       ("energy", f"{sum(d['energy_j'] for d in devices.values()):.1f} J")))
     per_row = max(1, (width - 4) // DEVICE_CELL)
     room = max(0, height - 1 - 2 - len(rows))  # a line for the cursor, two for the border
-    cells = [f"{name} {_online(d['online'])} {_pct(d['battery_soc'])} {d['energy_j']:.1f}J"
+    cells = [f"{name} {_online(d['online'])} {_pct(d['battery_soc'])} "
+             + (ota_cell(d).replace("downloading", "dl") if d.get("ota_phase") else f"{d['energy_j']:.1f}J")
              for name, d in devices.items()]
     grid = [cells[i:i + per_row] for i in range(0, len(cells), per_row)]
     if len(grid) > room:
@@ -215,6 +242,8 @@ def progress_line(snap: dict[str, Any], engine: dict[str, Any] | None, title: st
             f"anomalies caught {snap['anomalies_caught']}/{snap['anomalies_injected']}")
     if engine:
         line += ", engine " + " ".join(f"{k} {v}" for k, v in _engine_fields(engine))
+    if (rollout := rollout_text(snap.get("rollout"))) is not None:
+        line += f"; {rollout}"
     if (warning := backlog_warning(snap)) is not None:
         line += f"; {warning}"
     return line

@@ -54,6 +54,24 @@ def test_demo_runs_every_tier_and_cleans_up(tmp_path: Path, gguf_path: Path) -> 
     # the REST API was up: its engine gauges were scraped at the end
     assert summary["engine"], "no engine metrics from the cloud's /metrics endpoint"
 
+    # halfway through (or once the cloud is up, if later), a freshly signed image of the edges' model went to every
+    # device through the REST API: one canary, then the other three; every device committed it and runs it, and
+    # the events that arrived while the agents swapped models (none when the cloud came up after the traffic) were
+    # each answered exactly once
+    rollout = summary["rollout"]
+    assert rollout["started"] and rollout["state"] == "completed", rollout
+    assert rollout["image_version"].endswith("-demo") and rollout["waves"] == 2 and len(rollout["canary"]) == 1
+    assert rollout["committed"] == rollout["devices"] == 4 and rollout["rolled_back"] == 0, rollout
+    assert rollout["outcomes"] == {"committed": 4} and rollout["seconds"] > 0
+    assert {d["image_version"] for d in summary["devices"].values()} == {rollout["image_version"]}, summary["devices"]
+    assert {d["ota_phase"] for d in summary["devices"].values()} == {"committed"}
+    during = rollout["during"]
+    assert during["unanswered"] == 0 and during["double_answers"] == 0, during
+    assert during["answered_once"] == during["needing_answer"], during
+    assert f"rollout of {rollout['image_version']}" in proc.stdout
+    assert "devices committed / rolled back / all" in proc.stdout
+    assert (runs[0] / "images" / rollout["filename"]).is_file() and (runs[0] / "keys" / "demo-image.pub").is_file()
+
     # shutdown left no process behind (every component's command line names the run folder)
     assert _processes_mentioning(str(results)) == []
 
