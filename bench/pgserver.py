@@ -1,5 +1,6 @@
-"""A real PostgreSQL server for tests: its own cluster in a temporary directory (initdb + pg_ctl), on a free
-port, reached over a unix socket in that directory; one fresh database per test.
+"""A throwaway PostgreSQL server: its own cluster in a temporary directory (initdb + pg_ctl), on a free port,
+reached over a unix socket in that directory; fresh databases on demand. What the tests run the store on
+(tests/cloud/conftest.py) and what `apiary bench serve|store --db temp-postgresql` measure against.
 
 The binaries come from PATH or Debian's ``postgresql`` package (/usr/lib/postgresql/<version>/bin, what
 ``.ci/install`` installs). PostgreSQL refuses to run as root, so under root the cluster runs as the
@@ -38,8 +39,11 @@ def _free_port() -> int:
 
 
 class PostgresServer:
-    def __init__(self, bin_dir: Path) -> None:
+    """``durable=False`` (tests) turns fsync and synchronous commit off; benchmarks keep PostgreSQL's defaults."""
+
+    def __init__(self, bin_dir: Path, *, durable: bool = False) -> None:
         self.bin_dir = bin_dir
+        self.durable = durable
         self.dir = Path(tempfile.mkdtemp(prefix="apiary-pg-"))  # short: a unix socket path has ~100 bytes
         self.data = self.dir / "data"
         self.log = self.dir / "server.log"
@@ -59,15 +63,20 @@ class PostgresServer:
             log = self.log.read_text() if self.log.exists() else ""
             raise RuntimeError(f"{' '.join(args[:2])} failed ({out.returncode}): {out.stdout}{out.stderr}{log}")
 
-    def start(self) -> None:
+    def start(self) -> "PostgresServer":
         self._run(str(self.bin_dir / "initdb"), "-D", str(self.data), "-U", SUPERUSER, "--auth=trust",
                   "--no-sync", "-E", "UTF8")
-        options = (f"-p {self.port} -k {self.dir} -c listen_addresses='' -c max_connections=300 "
-                   "-c fsync=off -c synchronous_commit=off -c full_page_writes=off")
+        options = f"-p {self.port} -k {self.dir} -c listen_addresses='' -c max_connections=300"
+        if not self.durable:
+            options += " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
         self._run(str(self.bin_dir / "pg_ctl"), "-D", str(self.data), "-l", str(self.log), "-o", options,
                   "-w", "-t", "60", "start")
+        return self
 
     def stop(self) -> None:
+        if not (self.data / "postmaster.pid").exists():
+            shutil.rmtree(self.dir, ignore_errors=True)
+            return
         try:
             self._run(str(self.bin_dir / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop")
         finally:
@@ -80,7 +89,7 @@ class PostgresServer:
         """A new empty database; its URL."""
         import psycopg
 
-        name = f"test_{os.getpid()}_{next(self._names)}"
+        name = f"apiary_{os.getpid()}_{next(self._names)}"
         with psycopg.connect(host=str(self.dir), port=self.port, user=SUPERUSER, dbname="postgres",
                              autocommit=True) as conn:
             conn.execute(f'CREATE DATABASE "{name}"')

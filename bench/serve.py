@@ -9,6 +9,16 @@ a random number of words, a random ``max_tokens``, exponential inter-arrival tim
 throughput, output tokens/s, TTFT / TPOT / end-to-end p50 and p99, and goodput: requests
 per second that met the SLO (REST: TTFT and TPOT; MQTT replies are not streamed, so
 end-to-end). The machine is shared and noisy: compare the rows of one run, not runs.
+
+Replicas (issue 19): ``--replicas 1,2,3`` runs the workload once per count against that many
+``apiary cloud serve`` processes on one broker and one database (``--db``: a fresh SQLite file, a
+fresh database of a throwaway PostgreSQL cluster with ``temp-postgresql``, or a ``postgresql://`` URL):
+MQTT escalations spread over the ``$share`` group, REST requests round-robin over the replicas. Each
+row also reports the CPU seconds all replicas spent per answered request (on a small machine the
+replicas share the cores: that, not throughput, says whether replicas cost more per request).
+``--kill`` adds a run at the largest count in which one replica is killed with SIGKILL when half the
+escalations are answered; the bench re-sends unanswered ones every ``--resend-s`` as the edge does, and
+reports how many were lost (no answer) and computed twice.
 """
 from __future__ import annotations
 
@@ -46,6 +56,7 @@ class PathResult:
     path: str
     outcomes: list[Outcome] = field(default_factory=list)
     wall: float = 0.0
+    replies: list[int] = field(default_factory=list)  # MQTT: replies per request (repeats after re-sends)
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -70,7 +81,8 @@ def workload(n: int, rate: float, words: tuple[int, int], out: tuple[int, int], 
     return samples
 
 
-async def run_rest(url: str, key: str, model: str, samples: list[Sample], concurrency: int) -> PathResult:
+async def run_rest(url: str | list[str], key: str, model: str, samples: list[Sample], concurrency: int) -> PathResult:
+    """Drive ``samples`` through the REST API (SSE); several URLs (replicas) take the requests in turn."""
     import asyncio
     import json
 
@@ -80,11 +92,14 @@ async def run_rest(url: str, key: str, model: str, samples: list[Sample], concur
     gate = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
 
-    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=600,
-                                 limits=limits) as client:
+    urls = [url] if isinstance(url, str) else url
+    clients = [httpx.AsyncClient(base_url=u, headers={"Authorization": f"Bearer {key}"}, timeout=600, limits=limits)
+               for u in urls]
+    try:
         t0 = time.perf_counter()
 
-        async def one(s: Sample) -> Outcome:
+        async def one(i: int, s: Sample) -> Outcome:
+            client = clients[i % len(clients)]
             await asyncio.sleep(max(0.0, s.arrival - (time.perf_counter() - t0)))
             async with gate:
                 o = Outcome(ok=False, start=time.perf_counter())
@@ -113,12 +128,19 @@ async def run_rest(url: str, key: str, model: str, samples: list[Sample], concur
                 o.ok = True
                 return o
 
-        result.outcomes = await asyncio.gather(*(one(s) for s in samples))
+        result.outcomes = await asyncio.gather(*(one(i, s) for i, s in enumerate(samples)))
         result.wall = time.perf_counter() - t0
+    finally:
+        for client in clients:
+            await client.aclose()
     return result
 
 
-def run_mqtt(mqtt_config, samples: list[Sample], concurrency: int, timeout: float = 600.0) -> PathResult:
+def run_mqtt(mqtt_config, samples: list[Sample], concurrency: int, timeout: float = 600.0, resend_s: float = 0.0,
+             on_answered=None) -> PathResult:
+    """Drive ``samples`` as escalations; only a request's first reply counts. ``resend_s`` > 0: re-send the
+    unanswered ones (a new envelope, the same request id) that often, as the edge does. ``on_answered(n)`` is
+    called on the MQTT thread after the n-th first reply (keep it quick)."""
     import threading
 
     from apiary.shared import topics
@@ -130,9 +152,24 @@ def run_mqtt(mqtt_config, samples: list[Sample], concurrency: int, timeout: floa
     done = threading.Semaphore(0)
     gate = threading.Semaphore(concurrency)
     edge = MqttTransport(mqtt_config, f"bench-edge-{time.time_ns()}", persistent=False)
+    answered: set[int] = set()
+    sent: dict[int, tuple[InferenceRequest, float]] = {}  # in flight: the request and when it was last sent
+    lock = threading.Lock()
+    result.replies = [0] * len(samples)
+
+    def publish(req: InferenceRequest) -> None:
+        edge.publish(topics.escalate("bench", req.device),
+                     make(req, sender="bench-edge", reply_to=topics.reply("bench", req.device)))
 
     def on_reply(topic: str, env) -> None:
         i = int(env.body.request_id.rsplit("-", 1)[1])
+        with lock:
+            result.replies[i] += 1
+            if i in answered:
+                return  # a repeat: the re-send's reply (the stored answer), not a new result
+            answered.add(i)
+            sent.pop(i, None)
+            n = len(answered)
         o = outcomes[i]
         o.e2e = time.perf_counter() - o.start
         o.ok = env.body.status == "ok"
@@ -140,9 +177,26 @@ def run_mqtt(mqtt_config, samples: list[Sample], concurrency: int, timeout: floa
         o.error = env.body.error or ""
         gate.release()
         done.release()
+        if on_answered is not None:
+            on_answered(n)
+
+    stop = threading.Event()
+
+    def resend() -> None:
+        while not stop.wait(min(1.0, resend_s)):
+            now = time.perf_counter()
+            with lock:
+                due = [req for i, (req, at) in sent.items() if now - at >= resend_s]
+                for req in due:
+                    sent[int(req.request_id.rsplit("-", 1)[1])] = (req, now)
+            for req in due:
+                publish(req)
 
     edge.subscribe(topics.all_of("reply", "bench"), on_reply)
     edge.start()
+    resender = threading.Thread(target=resend, daemon=True) if resend_s > 0 else None
+    if resender is not None:
+        resender.start()
     try:
         run_id = time.time_ns()
         t0 = time.perf_counter()
@@ -153,14 +207,17 @@ def run_mqtt(mqtt_config, samples: list[Sample], concurrency: int, timeout: floa
             req = InferenceRequest(request_id=f"bench-{run_id}-{i}", site="bench", device=device, prompt=s.prompt,
                                    max_tokens=s.max_tokens, temperature=0.0, response_format="text", priority=6)
             outcomes[i].start = time.perf_counter()
-            edge.publish(topics.escalate("bench", device),
-                         make(req, sender="bench-edge", reply_to=topics.reply("bench", device)))
+            with lock:
+                if i not in answered:
+                    sent[i] = (req, outcomes[i].start)
+            publish(req)
         deadline = time.monotonic() + timeout
         for _ in samples:
             if not done.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 break
         result.wall = time.perf_counter() - t0
     finally:
+        stop.set()
         edge.stop()
     for o in outcomes:
         if not o.ok and not o.error:
@@ -194,23 +251,25 @@ def summarise(r: PathResult, slo_ttft: float, slo_tpot: float, slo_e2e: float) -
 
 
 def start_server(model: str, broker_url: str, workdir: Path, dtype: str, max_num_seqs: int, kv_cache_mb: int,
-                 threads: int | None, log):
-    """``apiary cloud serve`` as a subprocess; returns (process, url, api key) once it listens."""
+                 threads: int | None, log, *, db: str | None = None, worker_id: str | None = None,
+                 key: str | None = None, extra_env: dict[str, str] | None = None):
+    """``apiary cloud serve`` as a subprocess; returns (process, url, api key) once it listens. ``key``: one
+    already in the key file (replicas share it), else the process's generated key is read from its output."""
     import os
     import subprocess
     import sys
 
     env = {**os.environ, "APIARY__CLOUD__MAX_NUM_SEQS": str(max_num_seqs), "APIARY__CLOUD__KV_CACHE_MB": str(kv_cache_mb),
            "APIARY__CLOUD__MAX_WAITING": "4096", "APIARY__CLOUD__WORKER_CONCURRENCY": str(max(64, max_num_seqs)),
-           "APIARY__CLOUD__MAX_BODY_BYTES": str(1 << 20), "APIARY_LOG_LEVEL": "WARNING"}
+           "APIARY__CLOUD__MAX_BODY_BYTES": str(1 << 20), "APIARY_LOG_LEVEL": "WARNING", **(extra_env or {})}
     if threads:
         env["APIARY__CLOUD__NUM_THREADS"] = str(threads)
     cmd = [sys.executable, "-c", "from apiary.cli import app; app()", "cloud", "serve", "--port", "0",
-           "--model", model, "--broker", broker_url, "--db", str(workdir / "cloud.db"), "--api-key-file",
+           "--model", model, "--broker", broker_url, "--db", db or str(workdir / "cloud.db"), "--api-key-file",
            str(workdir / "keys.jsonl"), "--images", str(workdir / "images"), "--dtype", dtype,
-           "--worker-id", f"bench-cloud-{os.getpid()}"]
+           "--worker-id", worker_id or f"bench-cloud-{os.getpid()}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-    url = key = None
+    url = None
     deadline = time.monotonic() + 300
     while (url is None or key is None) and time.monotonic() < deadline:
         line = proc.stdout.readline()
@@ -226,6 +285,128 @@ def start_server(model: str, broker_url: str, workdir: Path, dtype: str, max_num
     return proc, url, key
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process and its reaped children so far (0 once it is gone)."""
+    import psutil
+
+    try:
+        t = psutil.Process(pid).cpu_times()
+    except psutil.Error:
+        return 0.0
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def _ok_counter(url: str) -> float:
+    """A replica's ``apiary_escalations_total{outcome="ok"}``: the escalations it computed."""
+    import re
+
+    import httpx
+
+    found = re.search(r'^apiary_escalations_total\{outcome="ok"\} (\S+)$', httpx.get(f"{url}/metrics", timeout=30).text,
+                      re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+@dataclass(slots=True)
+class Fleet:
+    """What one run needs to know about its replicas."""
+
+    procs: list = field(default_factory=list)
+    urls: list[str] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    killed: int | None = None  # index of the replica killed mid-run
+    cpu_at_kill: float = 0.0
+
+
+def _run_fleet(n: int, tag: str, chosen: list[str], samples: list[Sample], o: dict, workdir: Path, db: str,
+               kill: bool, pg) -> list[dict]:
+    """One run: a fresh broker and database, ``n`` replicas, the workload on each chosen path."""
+    import asyncio
+    import os
+    import threading
+
+    import httpx
+
+    from apiary.cloud.auth import KeyRing
+    from apiary.cloud.db import migrate
+    from apiary.cloud.store import open_store
+    from apiary.shared.brokers import MosquittoBroker
+
+    run_dir = workdir / tag
+    run_dir.mkdir()
+    url = (f"sqlite:///{run_dir / 'cloud.db'}" if db == "sqlite" else pg.create_database() if db == "temp-postgresql"
+           else db)
+    migrate.upgrade(url)  # PostgreSQL is migrated once, before the replicas start (they refuse an old schema)
+    key = KeyRing(run_dir / "keys.jsonl").create(["inference", "operator"], name="bench")
+    broker = MosquittoBroker(data_dir=run_dir / "mosquitto")  # fresh: no member sessions left from another run
+    mqtt_config = broker.start()
+    threads = o["threads"] or max(1, (os.cpu_count() or 1) // n)
+    fleet = Fleet()
+    log = open(run_dir / "server.log", "wb")
+    rows = []
+    try:
+        for j in range(n):
+            name = f"bench-{tag}-r{j + 1}"
+            proc, u, _ = start_server(o["model"], mqtt_config.url, run_dir, o["dtype"], o["max_num_seqs"],
+                                      o["kv_cache_mb"], threads, log, db=url, worker_id=name, key=key,
+                                      extra_env={"APIARY__CLOUD__CLAIM_LEASE_S": str(o["claim_lease_s"])})
+            fleet.procs.append(proc)
+            fleet.urls.append(u)
+            fleet.names.append(name)
+        served = httpx.get(f"{fleet.urls[0]}/v1/models", headers={"Authorization": f"Bearer {key}"}).json()["data"][0]["id"]
+        warm = workload(2, 0, (8, 8), (4, 4), o["seed"] + 1)  # load kernels and caches before measuring
+        for u in fleet.urls:
+            asyncio.run(run_rest(u, key, served, warm, 2))
+        for p in chosen:
+            own = [Sample(f"[{p}] {s.prompt}", s.max_tokens, s.arrival) for s in samples]
+            cpu0 = sum(_cpu_seconds(proc.pid) for proc in fleet.procs)
+            ok0 = [_ok_counter(u) for u in fleet.urls]
+
+            def kill_one(answered: int) -> None:
+                if kill and fleet.killed is None and answered >= len(own) // 2:
+                    fleet.killed = len(fleet.procs) - 1  # the one started last
+                    victim = fleet.procs[fleet.killed]
+                    fleet.cpu_at_kill = _cpu_seconds(victim.pid)
+                    threading.Thread(target=victim.kill, daemon=True).start()  # SIGKILL
+
+            if p == "rest":
+                r = asyncio.run(run_rest(fleet.urls, key, served, own, o["concurrency"]))
+            else:
+                r = run_mqtt(mqtt_config, own, o["concurrency"], resend_s=o["resend_s"] if kill else 0.0,
+                             on_answered=kill_one)
+            alive = [j for j in range(n) if j != fleet.killed]
+            cpu = sum(_cpu_seconds(fleet.procs[j].pid) for j in alive) + fleet.cpu_at_kill - cpu0
+            row = summarise(r, o["slo_ttft"], o["slo_tpot"], o["slo_e2e"])
+            row.update(replicas=n, killed=fleet.killed is not None, threads_per_replica=threads, cpu_s=cpu,
+                       cpu_s_per_answer=cpu / max(1, row["ok"]), lost=sum(1 for x in r.outcomes if not x.ok))
+            if p == "mqtt":
+                store = open_store(url)
+                try:
+                    mine = [e for e in store.escalations(limit=100_000) if e["request_id"].startswith("bench-")]
+                finally:
+                    store.close()
+                survivors = {fleet.names[j] for j in alive}
+                # the killed replica's counter died with it: compare the survivors' with the rows they finished
+                computed = sum(_ok_counter(fleet.urls[j]) - ok0[j] for j in alive)
+                rows_by_survivors = sum(1 for e in mine if e["worker"] in survivors and e["state"] == "done")
+                row.update(stored=len(mine), distinct=len({e["request_id"] for e in mine}),
+                           computed_twice=int(computed - rows_by_survivors),
+                           repeats=sum(max(0, c - 1) for c in r.replies))
+            rows.append(row)
+    finally:
+        for proc in fleet.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in fleet.procs:
+            try:
+                proc.wait(60)
+            except Exception:
+                proc.kill()
+        log.close()
+        broker.stop()
+    return rows
+
+
 def command(
     rate: float = typer.Option(1.0, help="mean arrival rate, requests/s (Poisson); 0 = all at once"),
     requests: int = typer.Option(48, help="requests per path"),
@@ -237,68 +418,73 @@ def command(
     dtype: str = typer.Option("float32", help="engine dtype: float32 | bfloat16"),
     max_num_seqs: int = typer.Option(32, help="engine batch size"),
     kv_cache_mb: int = typer.Option(1024, help="engine KV pool"),
-    threads: Optional[int] = typer.Option(None, help="torch threads in the server"),
+    threads: Optional[int] = typer.Option(None, help="torch threads per server [all cores / replicas]"),
     slo_ttft: float = typer.Option(5.0, help="SLO: time to first token, s (REST)"),
     slo_tpot: float = typer.Option(0.5, help="SLO: time per output token, s (REST)"),
     slo_e2e: float = typer.Option(30.0, help="SLO: end-to-end, s (MQTT)"),
     seed: int = typer.Option(0, help="workload seed"),
+    replicas: str = typer.Option("1", help="replica counts to run, comma list (e.g. 1,2,3)"),
+    db: str = typer.Option("sqlite", help="the replicas' database: sqlite (a fresh file), temp-postgresql (a fresh "
+                                          "throwaway cluster) or a postgresql:// URL"),
+    kill: bool = typer.Option(False, help="add a run at the largest replica count (at least 2) with one replica "
+                                          "killed (SIGKILL) when half the escalations are answered (MQTT path)"),
+    resend_s: float = typer.Option(5.0, help="kill run: re-send unanswered escalations this often, as the edge does"),
+    claim_lease_s: float = typer.Option(10.0, help="the replicas' claim lease: a dead replica's claims are taken "
+                                                   "over after it"),
 ) -> None:
     """Serving load test: Poisson arrivals on the REST API (SSE) and the MQTT escalation path."""
-    import asyncio
     import tempfile
 
     from apiary.bench.common import report
-    from apiary.shared.brokers import MosquittoBroker
 
     chosen = [p.strip() for p in paths.split(",") if p.strip()]
     if not chosen or any(p not in ("rest", "mqtt") for p in chosen):
         raise typer.BadParameter(f"--paths takes rest, mqtt or rest,mqtt; got {paths!r}")
+    try:
+        counts = [int(x) for x in replicas.split(",") if x.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise typer.BadParameter(f"--replicas takes a comma list of counts >= 1; got {replicas!r}")
+    if db not in ("sqlite", "temp-postgresql") and not db.startswith(("postgresql://", "postgres://")):
+        raise typer.BadParameter(f"--db takes sqlite, temp-postgresql or a postgresql:// URL; got {db!r}")
     samples = workload(requests, rate, parse_range(prompt_words), parse_range(max_tokens), seed)
+    o = dict(model=model, dtype=dtype, max_num_seqs=max_num_seqs, kv_cache_mb=kv_cache_mb, threads=threads,
+             concurrency=concurrency, slo_ttft=slo_ttft, slo_tpot=slo_tpot, slo_e2e=slo_e2e, seed=seed,
+             resend_s=resend_s, claim_lease_s=claim_lease_s)
+    results: list[dict] = []
+    pg = None
     with tempfile.TemporaryDirectory(prefix="apiary-bench-serve-") as td:
-        workdir = Path(td)
-        broker = MosquittoBroker(data_dir=workdir / "mosquitto")
-        mqtt_config = broker.start()
-        proc = None
-        log = open(workdir / "server.log", "wb")
         try:
-            proc, url, key = start_server(model, mqtt_config.url, workdir, dtype, max_num_seqs, kv_cache_mb, threads,
-                                          log)
-            import httpx
+            if db == "temp-postgresql":
+                from apiary.bench.pgserver import PostgresServer, find_bin_dir
 
-            served = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"}).json()["data"][0]["id"]
-            warm = workload(2, 0, (8, 8), (4, 4), seed + 1)  # load kernels and caches before measuring
-            asyncio.run(run_rest(url, key, served, warm, 2))
-            results = []
-            for p in chosen:
-                # Same lengths and arrivals on both paths, but prompts that differ from the first token, so the
-                # second path gets no prefix-cache hits from the first one's prompts.
-                own = [Sample(f"[{p}] {s.prompt}", s.max_tokens, s.arrival) for s in samples]
-                r = asyncio.run(run_rest(url, key, served, own, concurrency)) if p == "rest" \
-                    else run_mqtt(mqtt_config, own, concurrency)
-                results.append(summarise(r, slo_ttft, slo_tpot, slo_e2e))
-            server_metrics = httpx.get(f"{url}/healthz").json()["engine"]
+                bin_dir = find_bin_dir()
+                if bin_dir is None:
+                    raise typer.BadParameter("no PostgreSQL server binaries (initdb, pg_ctl): install Debian's "
+                                             "postgresql or pass --db postgresql://…")
+                pg = PostgresServer(bin_dir, durable=True).start()
+            for n in counts:
+                results += _run_fleet(n, f"x{n}", chosen, samples, o, Path(td), db, False, pg)
+            if kill:
+                n = max(2, max(counts))
+                results += _run_fleet(n, f"x{n}-kill", ["mqtt"], samples, o, Path(td), db, True, pg)
         finally:
-            if proc is not None:
-                proc.terminate()
-                try:
-                    proc.wait(30)
-                except Exception:
-                    proc.kill()
-            log.close()
-            broker.stop()
-    columns = ["path", "ok/requests", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
-               "e2e p50", "e2e p99", "goodput req/s", "SLO met"]
-    rows = [[r["path"], f"{r['ok']}/{r['requests']}", r["req_per_s"], r["out_tok_per_s"], r["ttft_p50"],
-             r["ttft_p99"], r["tpot_p50"], r["tpot_p99"], r["e2e_p50"], r["e2e_p99"], r["goodput_req_per_s"],
-             f"{100 * r['slo_attained']:.0f}%"] for r in results]
+            if pg is not None:
+                pg.stop()
+    columns = ["replicas", "path", "ok/requests", "req/s", "out tok/s", "TTFT p99", "e2e p50", "e2e p99",
+               "goodput req/s", "CPU s/answer", "lost", "computed twice"]
+    rows = [[f"{r['replicas']}{' (1 killed)' if r['killed'] else ''}", r["path"], f"{r['ok']}/{r['requests']}",
+             r["req_per_s"], r["out_tok_per_s"], r["ttft_p99"], r["e2e_p50"], r["e2e_p99"], r["goodput_req_per_s"],
+             r["cpu_s_per_answer"], r["lost"], r.get("computed_twice", "")] for r in results]
     report("serve", f"cloud serve: {requests} req/path, rate {rate}/s, concurrency {concurrency}, {dtype}, "
-           f"max_num_seqs {max_num_seqs}", columns, rows,
+           f"max_num_seqs {max_num_seqs}, db {db.split('@')[-1]}", columns, rows,
            {"results": results, "config": {"rate": rate, "requests": requests, "concurrency": concurrency,
                                            "prompt_words": prompt_words, "max_tokens": max_tokens, "model": model,
                                            "dtype": dtype, "max_num_seqs": max_num_seqs, "kv_cache_mb": kv_cache_mb,
                                            "slo": {"ttft": slo_ttft, "tpot": slo_tpot, "e2e": slo_e2e},
-                                           "seed": seed},
-            "engine_after": server_metrics})
+                                           "seed": seed, "replicas": counts, "db": db.split("@")[-1], "kill": kill,
+                                           "resend_s": resend_s, "claim_lease_s": claim_lease_s}})
     for r in results:
         if r["errors"]:
-            typer.echo(f"{r['path']} errors: {r['errors']}", err=True)
+            typer.echo(f"{r['replicas']} replicas, {r['path']} errors: {r['errors']}", err=True)

@@ -61,8 +61,8 @@ def idle_engine(cloud_engine):
 
 @pytest.fixture(scope="session")
 def postgres():
-    """A real PostgreSQL cluster for the session (tests/cloud/postgres.py); skipped only without its binaries."""
-    from tests.cloud.postgres import PostgresServer, find_bin_dir
+    """A real PostgreSQL cluster for the session (bench/pgserver.py); skipped only without its binaries."""
+    from apiary.bench.pgserver import PostgresServer, find_bin_dir
 
     bin_dir = find_bin_dir()
     if bin_dir is None:
