@@ -504,7 +504,7 @@ class EdgeAgent:
                 return True
             self._born_gen = gen
             if self.ota is not None:
-                self.ota.announce_boot()  # a trial slot reverted at start-up (once)
+                self.ota.announce_boot()  # a trial slot reverted at start-up; a final status the link lost
         for item in self.store.pending():
             if self._stop.is_set() or not self.transport.connected:
                 return False

@@ -49,6 +49,8 @@ from apiary.shared.protocol import OtaCommand, OtaStatus, SensorEvent, Severity,
 log = get_logger("apiary.edge.ota")
 
 SLOTS = ("a", "b")
+FINAL_PHASES = frozenset({"committed", "rolled_back", "refused", "failed", "deferred"})  # what a rollout waits for
+MAX_UNSENT = 8  # final statuses (of as many image versions) kept while the link is down
 BOOT_FILE = "boot.json"
 NONCE_FILE = "rollback-nonces.json"
 MAX_GRANT_S = 30 * 86400  # a rollback grant valid for longer is refused (the ledger keeps each nonce that long)
@@ -335,6 +337,8 @@ class OtaUpdater:
         self.ledger = RollbackLedger(self.store.root)
         self._client = http_client
         self._lock = threading.Lock()
+        self._status_lock = threading.Lock()  # final statuses go out in order, also when sent again
+        self._unsent: dict[str, OtaStatus] = {}  # per image version, the newest final status the link did not take
         self.boot_status: OtaStatus | None = self.recover()
 
     # -- what the agent runs
@@ -376,10 +380,17 @@ class OtaUpdater:
         return None
 
     def announce_boot(self) -> None:
-        """Publish what :meth:`recover` did at start-up (call once the transport is up)."""
-        if self.boot_status is not None:
-            self._publish(self.boot_status)
-            self.boot_status = None
+        """Publish what :meth:`recover` did at start-up, and the final status of an update that ended while the link
+        was down (a rollout waits for it). Call whenever the link is (back) up."""
+        boot, self.boot_status = self.boot_status, None
+        if boot is not None:
+            self._publish(boot)
+        with self._status_lock:
+            unsent, self._unsent = list(self._unsent.values()), {}
+            for status in unsent:
+                log.info("sending the OTA status %s of %s again: the link was down when it ended", status.phase,
+                         status.image_version)
+                self._send(status)
 
     # -- one update
 
@@ -569,12 +580,31 @@ class OtaUpdater:
         return status
 
     def _publish(self, status: OtaStatus) -> None:
+        """Progress is best effort; a final status the link does not take is kept and sent at the next
+        :meth:`announce_boot` (per image version the newest: it supersedes an older one of that version)."""
+        if status.phase not in FINAL_PHASES:
+            self._send(status)
+            return
+        with self._status_lock:
+            self._unsent.pop(status.image_version, None)
+            self._send(status)
+
+    def _send(self, status: OtaStatus) -> None:
+        """Publish ``status``; a final one not taken is kept in ``_unsent`` (call it under ``_status_lock``)."""
         if self.transport is None:
             return
         try:
-            self.transport.publish(topics.ota_status(self.site, self.device), make(status, sender=self.device), qos=1)
-        except Exception as e:  # status is best effort; the update itself must go on
+            taken = self.transport.publish(topics.ota_status(self.site, self.device),
+                                           make(status, sender=self.device), qos=1)
+        except Exception as e:  # the update itself must go on
             log.warning("could not publish OTA status %s: %s", status.phase, e)
+            taken = False
+        if not taken and status.phase in FINAL_PHASES:
+            self._unsent[status.image_version] = status
+            while len(self._unsent) > MAX_UNSENT:  # the oldest versions' first
+                self._unsent.pop(next(iter(self._unsent)))
+            log.warning("OTA status %s of %s not sent (the link is down); sent when it is back", status.phase,
+                        status.image_version)
 
 
 def _default_client(timeout_s: float) -> Any:
