@@ -14,6 +14,9 @@ With ``--background N``, N busy processes (``while :; do :; done``) run beside e
 run, started before it and stopped after it, alike for all: a shared CPU, as in the demo or on a
 server with its REST layer, broker and database. The table shows each system's CPU use (its
 process's CPU seconds per wall second) beside its throughput.
+``llama-server`` and ``cloud-http`` are servers through HTTP (``apiary.bench.http_serving``): each round
+starts the server fresh, probes its warm-up (first vs tenth TTFT), then streams the same requests
+from ``--clients`` concurrent clients; their CPU % and peak RSS are the server process's.
 """
 from __future__ import annotations
 
@@ -36,7 +39,8 @@ WORDS = ("hive colony brood queen worker drone nectar pollen honey comb frame wa
          "entrance guard robbing varroa mite inspection super winter spring summer autumn beekeeper smoke "
          "the a of and to in is was rose fell steady kg degrees percent alert normal check report hive7 "
          "12 3.5 2024 why how when colony's bees' calm busy loud quiet").split()
-SYSTEMS = ("engine", "engine-torch-attn", "engine-fp32", "engine-bs1", "hf", "llama-cpp")
+SYSTEMS = ("engine", "engine-torch-attn", "engine-fp32", "engine-bs1", "hf", "llama-cpp", "llama-server", "cloud-http")
+HTTP_SYSTEMS = ("llama-server", "cloud-http")
 
 
 @dataclass(slots=True)
@@ -226,6 +230,8 @@ def command(
     rounds: int = typer.Option(1, min=1, help="run the systems this many times, interleaved (order reversed every "
                                               "other round), and report medians: ratios survive a noisy machine"),
     background: int = typer.Option(0, min=0, help="busy processes (shell loops) running beside every system's run"),
+    clients: int = typer.Option(16, min=1, help="HTTP systems: concurrent streaming clients (and llama-server's "
+                                               "parallel slots)"),
 ) -> None:
     # cloud.engine first: it sets the OpenMP wait policy and thread counts before torch loads.
     from apiary.cloud.engine import EngineConfig, LLMEngine, threads as engine_threads
@@ -280,6 +286,14 @@ def command(
         elif system == "hf":
             res = run_hf(path, seq_work)
             res.detail = "transformers generate, one request at a time, float32"
+        elif system in HTTP_SYSTEMS:
+            from apiary.bench.http_serving import run_server_system
+
+            res = run_server_system(system, path, work, threads=threads, clients=clients, dtype=dtype,
+                                    max_num_seqs=max_num_seqs, budget=budget,
+                                    drop_env=engine_threads.STATE.set_by_engine)
+            typer.echo(f"  {system} warm-up: first request's TTFT {res.extra['warmup_ttfts'][0]:.2f} s, tenth's "
+                       f"{res.extra['warmup_ttfts'][-1]:.2f} s")
         else:
             own_env = {k: v for k, v in os.environ.items() if k not in engine_threads.STATE.set_by_engine}
             res = run_llama_cpp_process(path, seq_work, threads, own_env)
@@ -288,7 +302,7 @@ def command(
 
     for system in [s for r in range(rounds) for s in (chosen if r % 2 == 0 else chosen[::-1])]:
         load_before = os.getloadavg()[0]
-        n = len(work) if system in ("engine", "engine-torch-attn", "engine-fp32") else len(seq_work)
+        n = len(work) if system in ("engine", "engine-torch-attn", "engine-fp32", *HTTP_SYSTEMS) else len(seq_work)
         typer.echo(f"running {system} on {n} requests (load average {load_before:.1f}"
                    f"{f', {background} busy processes beside it' if background else ''}) ...")
         with busy_processes(background):
@@ -311,16 +325,17 @@ def command(
         return per_round[n // 2] if n % 2 else (per_round[n // 2 - 1] + per_round[n // 2]) / 2
 
     columns = ["system", "output tok", "wall s", "output tok/s", "CPU %", "x HF seq", "x llama.cpp seq",
-               "TTFT p50 s", "TTFT p99 s"]
+               "TTFT p50 s", "TTFT p99 s", "x llama-server", "peak RSS MB"]
     rows = []
     for system, res in results.items():
         ttft = [t for t in res.ttfts if t is not None]
         rows.append([system, res.output_tokens, round(res.wall, 1), round(res.tok_s, 1),
                      round(100 * res.cpu_s / res.wall), ratio(system, "hf"), ratio(system, "llama-cpp"),
-                     percentile(ttft, 50) if ttft else "-", percentile(ttft, 99) if ttft else "-"])
+                     percentile(ttft, 50) if ttft else "-", percentile(ttft, 99) if ttft else "-",
+                     ratio(system, "llama-server"), round(res.extra.get("peak_rss_mb", 0)) or "-"])
     reference = results.get("engine-fp32") or results.get("engine-bs1")
     agreements = {s: agreement(reference.extra["tokens"][:len(r.extra["tokens"])], r.extra["tokens"])
-                  for s, r in results.items() if reference is not None and r is not reference}
+                  for s, r in results.items() if reference is not None and r is not reference and "tokens" in r.extra}
     kv: dict[str, Any] = {}
     if "engine" in results:
         m = engines[dtype].metrics()
@@ -345,8 +360,11 @@ def command(
                "cpu_percent_per_round": {s: [round(100 * r.cpu_s / r.wall) for r in rs] for s, rs in runs.items()},
                "load_average_before_after": loads, "kv_cache": kv,
                "rounds": rounds, "tok_s_per_round": {s: [round(r.tok_s, 2) for r in rs] for s, rs in runs.items()},
-               "ratios_median_of_rounds": {s: {"x_hf": ratio(s, "hf"), "x_llama_cpp": ratio(s, "llama-cpp")}
-                                           for s in runs},
+               "ratios_median_of_rounds": {s: {"x_hf": ratio(s, "hf"), "x_llama_cpp": ratio(s, "llama-cpp"),
+                                               "x_llama_server": ratio(s, "llama-server")} for s in runs},
+               "http": {s: {"clients": clients, "peak_rss_mb_per_round": [r.extra["peak_rss_mb"] for r in rs],
+                            "warmup_ttfts_per_round": [r.extra["warmup_ttfts"] for r in rs]}
+                        for s, rs in runs.items() if s in HTTP_SYSTEMS},
                "first16_token_agreement_vs_fp32_engine": agreements,
                "engine_steps": {s: r.extra.get("steps") for s, r in results.items() if "steps" in r.extra},
                "note": "one run, systems in sequence (interleaved over rounds) on a shared 2-core machine; "

@@ -57,3 +57,36 @@ def test_a_tiny_run_with_background_reports_contention_cpu_use_and_features(tmp_
     assert record["machine"]["cpu_features"] == cpu.relevant(cpu.host_flags())
     assert record["engine_threads"].startswith("1 threads (affinity")  # --threads 1 reached the engine
     assert "features:" in result.output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_http_systems_serve_the_same_requests_and_report_ratio_rss_and_warm_up(tmp_path: Path, gguf_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--systems cloud-http,llama-server``: each server started as its own process, the same streamed requests
+    (every one exactly max_tokens long), the ratio between them, the servers' peak RSS and their warm-up probes.
+    Without a built llama-server, cloud-http alone (the ratio column then says "-")."""
+    from apiary.bench.http_serving import LLAMA_SERVER, WARMUP_PROBES
+
+    systems = ["cloud-http"] + (["llama-server"] if LLAMA_SERVER.is_file() else [])
+    monkeypatch.chdir(tmp_path)
+    app = typer.Typer()
+    app.command()(bench_engine.command)
+    result = CliRunner().invoke(app, ["--model", str(gguf_path), "--systems", ",".join(systems), "--requests", "4",
+                                      "--prompt-tokens", "16-48", "--output-tokens", "4-12", "--clients", "2",
+                                      "--threads", "2", "--dtype", "float32"])
+    assert result.exit_code == 0, result.output
+    record = json.loads((tmp_path / "results" / "bench" / "engine.json").read_text())
+    rows = {row[0]: dict(zip(record["columns"], row)) for row in record["rows"]}
+    assert set(rows) == set(systems)
+    for system in systems:
+        assert rows[system]["output tok"] == record["workload"]["output_tokens"]  # ignore_eos: exactly max_tokens
+        assert rows[system]["peak RSS MB"] > 50
+        (probes,) = record["http"][system]["warmup_ttfts_per_round"]
+        assert len(probes) == WARMUP_PROBES and all(t > 0 for t in probes)
+        assert f"{system} warm-up: first request's TTFT" in result.output
+    if "llama-server" in rows:
+        expected = rows["cloud-http"]["output tok/s"] / rows["llama-server"]["output tok/s"]
+        assert rows["cloud-http"]["x llama-server"] == pytest.approx(expected, rel=0.02)
+    else:
+        assert rows["cloud-http"]["x llama-server"] == "-"

@@ -35,7 +35,6 @@ from tests.shared.helpers import wait_until
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
-LLAMA_SERVER = ROOT / ".venv" / "llama-server" / "llama-server"
 
 
 class BodyRecorder:
@@ -277,36 +276,16 @@ def test_an_openai_cloud_process_never_loads_torch(make_service, upstream_key, t
 
 
 @pytest.fixture
-def llama_server(tmp_path: Path) -> Iterator[str]:
-    """llama.cpp's own server on the shipped student GGUF; its OpenAI base URL."""
+def llama_server() -> Iterator[str]:
+    """llama.cpp's own server on the shipped student GGUF (2 slots), as ``apiary bench engine`` starts it;
+    its OpenAI base URL."""
+    from apiary.bench.http_serving import LLAMA_SERVER, llama_server as start
+
     if not LLAMA_SERVER.is_file():
         pytest.skip(f"llama-server is not built ({LLAMA_SERVER} missing): run bash deploy/build_llama_server.sh")
-    port = free_port()
-    log = open(tmp_path / "llama-server.log", "wb")
-    proc = subprocess.Popen([str(LLAMA_SERVER), "-m", str(assets.model_file("edge-student")), "--host", "127.0.0.1",
-                             "--port", str(port), "--alias", "edge-student", "-c", "4096", "-np", "2",
-                             "--threads", str(min(2, os.cpu_count() or 1))], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, (tmp_path / "llama-server.log").read_text()[-2000:]
-            assert time.monotonic() < deadline, "llama-server did not become healthy in 120 s"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        yield f"{url}/v1"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+    with start(assets.model_file("edge-student"), threads=min(2, os.cpu_count() or 1), slots=2, ctx_per_slot=2048,
+               alias="edge-student") as server:
+        yield server.url
 
 
 def test_escalations_over_mqtt_are_answered_by_llama_server(mosquitto, openai_cloud, llama_server):

@@ -1,0 +1,226 @@
+"""Servers through the door users meet them by: OpenAI HTTP, streaming, 16 concurrent clients.
+
+``apiary bench engine --systems …,llama-server,cloud-http`` starts each server as its own
+process on the same GGUF (llama.cpp's ``llama-server`` with 16 parallel slots, built by
+deploy/build_llama_server.sh; our ``apiary cloud serve``), waits until it is ready, and drives it
+with one client: the workload's prompt token ids to ``/v1/completions`` (``stream``, greedy,
+``ignore_eos``, ``max_tokens``), at most ``concurrency`` requests in flight. Per run: output
+tokens/s over the wall time, TTFT of every request (send to first streamed token), the
+server's peak RSS (``VmHWM``), and each request's token count (checked against ``max_tokens``,
+so both servers generate exactly the same amount).
+
+Before the timed run, a fresh server gets ten one-at-a-time probe requests: the first one's
+TTFT against the tenth's says whether the server warmed up before it said it was ready.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA_SERVER = ROOT / ".venv" / "llama-server" / "llama-server"
+WARMUP_PROBES = 10
+
+
+@dataclass(slots=True)
+class Server:
+    url: str  # the OpenAI base URL (…/v1)
+    pid: int
+    headers: dict[str, str] = field(default_factory=dict)
+    model: str = ""
+
+
+@dataclass(slots=True)
+class HttpRun:
+    wall: float
+    output_tokens: list[int]
+    ttfts: list[float]
+    peak_rss_mb: float
+    cpu_s: float  # the server process's CPU seconds during the run
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def peak_rss_mb(pid: int) -> float:
+    """The process's peak resident set (``VmHWM``), MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmHWM for pid {pid}")
+
+
+def cpu_seconds(pid: int) -> float:
+    """The process's user + system CPU seconds so far (``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}: {log.read_text()[-2000:]}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server was not ready in {timeout:.0f} s: {log.read_text()[-2000:]}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+
+
+@contextmanager
+def _process(cmd: list[str], ready_url: str, env: dict[str, str] | None, timeout: float) -> Iterator[subprocess.Popen]:
+    with tempfile.TemporaryDirectory(prefix="apiary-bench-http-") as tmp:
+        log = Path(tmp) / "server.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp)
+            try:
+                _wait_ready(proc, ready_url, log, timeout)
+                yield proc
+            finally:
+                proc.terminate()
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+@contextmanager
+def llama_server(model: Path, threads: int, slots: int, ctx_per_slot: int, timeout: float = 300,
+                 alias: str = "bench") -> Iterator[Server]:
+    """llama.cpp's own server: ``slots`` parallel slots of ``ctx_per_slot`` tokens each, continuous batching,
+    serving ``model`` as ``alias``."""
+    if not LLAMA_SERVER.is_file():
+        raise RuntimeError(f"llama-server is not built ({LLAMA_SERVER} missing): run bash deploy/build_llama_server.sh")
+    port = free_port()
+    cmd = [str(LLAMA_SERVER), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
+           "-c", str(slots * ctx_per_slot), "-t", str(threads), "-tb", str(threads), "-b", "1024",
+           "--alias", alias]
+    with _process(cmd, f"http://127.0.0.1:{port}/health", None, timeout) as proc:
+        yield Server(f"http://127.0.0.1:{port}/v1", proc.pid, model=alias)
+
+
+@contextmanager
+def cloud_server(model: Path, dtype: str, max_num_seqs: int, budget: int, env: dict[str, str],
+                 timeout: float = 600) -> Iterator[Server]:
+    """``apiary cloud serve`` on the raw GGUF (no adapter, no broker), REST only, with a key of its own."""
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="apiary-bench-cloud-") as tmp:
+        key_file = Path(tmp) / "keys.jsonl"
+        from apiary.cloud.auth import SCOPES, KeyRing
+
+        key = KeyRing(key_file).create(SCOPES, name="bench")
+        cmd = [sys.executable, "-m", "apiary", "cloud", "serve", "--port", str(port), "--model", str(model),
+               "--adapter", "none", "--dtype", dtype, "--db", str(Path(tmp) / "c.db"), "--api-key-file",
+               str(key_file), "--images", str(Path(tmp) / "img")]
+        server_env = {**env, "APIARY__CLOUD__MAX_NUM_SEQS": str(max_num_seqs),
+                      "APIARY__CLOUD__MAX_NUM_BATCHED_TOKENS": str(budget), "APIARY__CLOUD__KV_CACHE_MB": "2048",
+                      "APIARY__CLOUD__MAX_WAITING": "1024", "APIARY__CLOUD__SERVED_MODEL_NAME": "bench",
+                      "APIARY_LOG_LEVEL": "WARNING"}
+        with _process(cmd, f"http://127.0.0.1:{port}/ready", server_env, timeout) as proc:
+            yield Server(f"http://127.0.0.1:{port}/v1", proc.pid, {"Authorization": f"Bearer {key}"}, "bench")
+
+
+async def _one(client: httpx.AsyncClient, server: Server, prompt: Sequence[int], max_tokens: int) -> tuple[float, int]:
+    """Stream one completion; (TTFT, output tokens as the server counted them)."""
+    body = {"model": server.model, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    ttft, chunks, usage = None, 0, None
+    async with client.stream("POST", f"{server.url}/completions", json=body, headers=server.headers) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{server.url} answered {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            doc = json.loads(line[6:])
+            if doc.get("usage"):
+                usage = doc["usage"]
+            for choice in doc.get("choices") or []:
+                if choice.get("text"):
+                    chunks += 1
+                    if ttft is None:
+                        ttft = time.perf_counter() - start
+    tokens = int(usage["completion_tokens"]) if usage and usage.get("completion_tokens") else chunks
+    if ttft is None:
+        raise RuntimeError(f"{server.url} streamed no text for a {len(prompt)}-token prompt")
+    return ttft, tokens
+
+
+async def _drive(server: Server, work: Sequence[Any], concurrency: int) -> tuple[float, list[float], list[int]]:
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        gate = asyncio.Semaphore(concurrency)
+
+        async def run(r: Any) -> tuple[float, int]:
+            async with gate:
+                return await _one(client, server, r.prompt, r.max_tokens)
+
+        start = time.perf_counter()
+        done = await asyncio.gather(*(run(r) for r in work))
+        wall = time.perf_counter() - start
+    return wall, [t for t, _ in done], [n for _, n in done]
+
+
+def warmup_ttfts(server: Server, prompt: Sequence[int], n: int = WARMUP_PROBES) -> list[float]:
+    """TTFTs of ``n`` one-at-a-time requests (the same prompt, 4 tokens each) to a server that just said ready."""
+    async def probes() -> list[float]:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+            return [(await _one(client, server, prompt, 4))[0] for _ in range(n)]
+
+    return asyncio.run(probes())
+
+
+def run_http(server: Server, work: Sequence[Any], concurrency: int) -> HttpRun:
+    """The workload against a running server, ``concurrency`` streams at a time; token counts checked."""
+    cpu_start = cpu_seconds(server.pid)
+    wall, ttfts, counts = asyncio.run(_drive(server, work, concurrency))
+    cpu = cpu_seconds(server.pid) - cpu_start
+    wrong = [(i, n, r.max_tokens) for i, (n, r) in enumerate(zip(counts, work)) if n != r.max_tokens]
+    if wrong:
+        raise RuntimeError(f"{server.url}: requests generated other token counts than max_tokens "
+                           f"(index, got, asked): {wrong[:5]}")
+    return HttpRun(wall, counts, ttfts, peak_rss_mb(server.pid), cpu)
+
+
+def run_server_system(system: str, model: Path, work: Sequence[Any], *, threads: int, clients: int, dtype: str,
+                      max_num_seqs: int, budget: int, drop_env: Sequence[str] = ()) -> Any:
+    """One round of an HTTP system (``llama-server`` or ``cloud-http``) on a freshly started server, as a
+    ``bench.engine.Result``. ``drop_env``: variables this process set for its own engine, which the server
+    must not inherit (it runs with the operator's environment)."""
+    from apiary.bench.engine import Result
+
+    env = {k: v for k, v in os.environ.items() if k not in drop_env}
+    if system == "llama-server":
+        ctx = max(len(r.prompt) + r.max_tokens for r in work) + 16
+        server = llama_server(model, threads, clients, ctx)
+        detail = f"llama.cpp's llama-server, {clients} slots, {threads} threads, over HTTP, {clients} clients"
+    elif system == "cloud-http":
+        server = cloud_server(model, dtype, max_num_seqs, budget, env)
+        detail = f"apiary cloud serve (dtype {dtype}, max_num_seqs={max_num_seqs}), over HTTP, {clients} clients"
+    else:
+        raise ValueError(f"not an HTTP system: {system}")
+    with server as s:
+        warmup = warmup_ttfts(s, work[0].prompt)
+        run = run_http(s, work, clients)
+    return Result(system, detail, run.wall, sum(run.output_tokens), run.ttfts,
+                  {"peak_rss_mb": run.peak_rss_mb, "warmup_ttfts": warmup}, run.cpu_s)
