@@ -1,6 +1,7 @@
-"""GPU kernels for the cloud engine, each beside a plain-torch reference.
+"""The cloud engine's kernels: Triton for GPUs, numba CPU decode attention, plain-torch references.
 
-The engine calls ``apiary.kernels.ops`` only: Triton kernels on CUDA, the torch references
-(``apiary.kernels.reference``) on CPU, one interface. This package imports nothing but torch and
-(lazily, only when a Triton kernel runs) triton, so CPU-only machines need no triton at all.
+The engine calls ``apiary.kernels.ops`` only, which chooses: Triton kernels on CUDA; on CPU the
+numba decode-attention kernel (``apiary.kernels.cpu_attention``) and the torch references
+(``apiary.kernels.reference``). This package imports torch; triton only lazily when a Triton
+kernel runs and numba only when a CPU decode runs, so CPU-only machines need no triton at all.
 """

@@ -8,16 +8,17 @@ and the weighted sum in fp32 registers and a small per-sequence buffer: one pass
 over V, no copy. Measured in isolation on 30 layers of a 63-sequence batch: ~2x faster than
 the reference at 2 threads.
 
-Why numba and why here: on GPUs the Triton kernel in ``kernels/`` does this job; Triton has no
-CPU backend, ``kernels/`` holds only torch and Triton code, and a C++ extension would need a
-compiler wherever the engine runs. numba compiles through its bundled LLVM (no toolchain) and
-caches the machine code next to this file, so only the first process pays the ~3 s compile.
+Why numba: Triton has no CPU backend, and a C++ extension would need a compiler wherever the
+engine runs. numba compiles through its bundled LLVM (no toolchain) and caches the machine code
+next to this file, so only the first process pays the ~3 s compile. ``apiary.kernels.ops`` serves
+CPU decode attention from here (``decode_backend``) and imports this module only on first use, so
+``import apiary.kernels`` loads no numba (the engine sets numba's and OpenMP's thread settings first).
 
 Semantics are ``apiary.kernels.ops.paged_decode_attention``'s: caches ``[num_blocks, block_size, Hkv,
 D]``, query head ``h`` reads KV head ``h // (Hq // Hkv)``, a sequence sees its
 ``context_lens[b]`` cached tokens (only the last ``sliding_window`` of them with a window), and
 a sequence with no tokens yields zeros. bfloat16 and float32 caches are supported; anything
-else (or a CUDA tensor) is the caller's to route to ``apiary.kernels.ops``.
+else (or a CUDA tensor) ``apiary.kernels.ops`` routes to the torch reference or Triton.
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ import torch
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
+
+from apiary.kernels.errors import KernelError
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -136,9 +139,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     For the best thread balance, order sequences by context length (the runner does).
     """
     if not (supports(k_cache) and v_cache.dtype == k_cache.dtype):
-        raise ValueError(f"cpu_attention serves CPU caches of {SUPPORTED_DTYPES}, got {k_cache.dtype} on {k_cache.device}")
+        raise KernelError(f"cpu_attention serves CPU caches of {SUPPORTED_DTYPES}, got {k_cache.dtype} on {k_cache.device}")
     if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        raise KernelError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     out = np.empty(tuple(q.shape), np.float32)
     if q.shape[0]:
         # numba's thread count is per calling thread (the async engine steps in its own thread).

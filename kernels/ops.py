@@ -1,7 +1,8 @@
 """The one kernel interface the engine calls: checks inputs, then dispatches to Triton or torch.
 
 ``auto`` (the default) runs the Triton kernels on CUDA tensors and the torch references
-(``apiary.kernels.reference``) everywhere else. ``set_backend("torch"|"triton")`` or the env var
+(``apiary.kernels.reference``) everywhere else, except decode attention on CPU, which the numba
+kernel (``apiary.kernels.cpu_attention``) serves for float32 and bfloat16 caches (``decode_backend``). ``set_backend("torch"|"triton")`` or the env var
 ``APIARY_KERNELS=torch|triton`` forces one; forcing Triton on CPU tensors works only under the
 Triton interpreter (``TRITON_INTERPRET=1``), which is how the kernels are tested without a GPU.
 Every bad input raises ``apiary.kernels.errors.KernelError``. Checks look at shapes, dtypes and devices
@@ -21,6 +22,8 @@ from apiary.kernels import reference
 from apiary.kernels.errors import KernelError
 
 BACKENDS = ("auto", "torch", "triton")
+DECODE_BACKENDS = ("auto", "torch", "triton", "numba")  # paged_decode_attention's per-call ``backend``
+NUMBA_DTYPES = (torch.float32, torch.bfloat16)  # the caches apiary.kernels.cpu_attention serves
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _backend: str | None = None  # None: follow $APIARY_KERNELS
@@ -60,6 +63,37 @@ def resolve_backend(device: torch.device) -> str:
         return "torch"
     if name == "auto":
         return "triton" if device.type == "cuda" and triton_available() and not interpreting() else "torch"
+    return resolve_backend_named(name, device)
+
+
+@functools.cache
+def numba_available() -> bool:
+    """True when ``numba`` is installed (the cloud extra brings it; the CPU decode kernel needs it)."""
+    return importlib.util.find_spec("numba") is not None
+
+
+def decode_backend(device: torch.device, dtype: torch.dtype, backend: str | None = None) -> str:
+    """Which implementation serves ``paged_decode_attention`` for caches of ``dtype`` on ``device``:
+    ``"triton"``, ``"numba"`` or ``"torch"``. ``backend`` (one of ``DECODE_BACKENDS``) overrides the
+    configured backend for this choice; ``"numba"`` outside its CPU dtypes raises ``KernelError``."""
+    name = get_backend() if backend is None else backend
+    if name not in DECODE_BACKENDS:
+        raise KernelError(f"unknown decode attention backend {name!r}; choose one of {DECODE_BACKENDS}")
+    numba_fits = device.type == "cpu" and dtype in NUMBA_DTYPES and numba_available()
+    if name == "numba":
+        if not numba_fits:
+            raise KernelError(f"the numba decode kernel serves CPU caches of {NUMBA_DTYPES} with numba installed, "
+                              f"not {dtype} on {device.type}")
+        return "numba"
+    if name == "auto" and numba_fits:
+        return "numba"
+    return resolve_backend(device) if name == "auto" else resolve_backend_named(name, device)
+
+
+def resolve_backend_named(name: str, device: torch.device) -> str:
+    """``resolve_backend`` for an explicitly named backend (``"torch"`` or ``"triton"``)."""
+    if name == "torch":
+        return "torch"
     if not triton_available():
         raise KernelError("kernel backend 'triton' was forced but triton is not installed")
     if device.type != "cuda" and not interpreting():
@@ -157,14 +191,25 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                           context_lens: torch.Tensor, scale: float, sliding_window: int | None = None) -> torch.Tensor:
-    """One query per sequence, ``q[B, Hq, D]``, over its ``context_lens[b]`` cached tokens -> ``[B, Hq, D]``."""
+                           context_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
+                           backend: str | None = None) -> torch.Tensor:
+    """One query per sequence, ``q[B, Hq, D]``, over its ``context_lens[b]`` cached tokens -> ``[B, Hq, D]``.
+
+    ``backend``: this call's choice (``decode_backend``); None follows ``set_backend`` / ``$APIARY_KERNELS``.
+    The numba and Triton kernels read ragged lengths as they are; the torch reference pads every
+    sequence to the longest (callers group similar lengths for it)."""
     _check_cache(k_cache, v_cache)
     _check_attention(q, k_cache, block_tables, context_lens, q.shape[0] if isinstance(q, torch.Tensor) else -1,
                      scale, sliding_window)
     device = _check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
                                 context_lens=context_lens)
-    if resolve_backend(device) == "triton":
+    chosen = decode_backend(device, k_cache.dtype, backend)
+    if chosen == "numba":
+        from apiary.kernels import cpu_attention  # imports numba: only once a CPU decode runs
+
+        return cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, float(scale),
+                                                    sliding_window)
+    if chosen == "triton":
         kernel = _triton("paged_attention", device)
         return kernel.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, float(scale),
                                              sliding_window)

@@ -2,8 +2,8 @@
 
 Covers Llama 2/3, SmolLM2, Mistral and Qwen2 (q/k/v biases). q/k/v and gate/up are fused into
 one matmul each. Attention, norms, rotary and the KV write go through ``apiary.kernels.ops``, so the
-Triton kernels replace the torch references on CUDA without touching this file; on CPU, decode
-attention goes to ``apiary.cloud.engine.cpu_attention`` (numba) unless the config asks for the reference.
+Triton kernels replace the torch references on CUDA without touching this file, and on CPU decode
+attention runs ``apiary.kernels``' numba kernel unless the config asks for the torch reference.
 """
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from apiary.cloud.engine import cpu_attention
 from apiary.cloud.engine.config import ModelConfig
 from apiary.cloud.engine.errors import EngineError, StepInterrupted
 from apiary.cloud.engine.linear import Linear
@@ -119,12 +118,10 @@ class LlamaModel:
                  dtype: torch.dtype, max_positions: int, cpu_attention_backend: str = "numba") -> None:
         self.config = config
         self.device, self.dtype = device, dtype
-        # Decode attention: kernels.ops (Triton on CUDA, the torch reference on CPU), or on CPU the
-        # numba kernel, which reads K/V through the block tables without a padded copy.
-        self.ragged_decode = (cpu_attention_backend == "numba" and device.type == "cpu"
-                              and dtype in cpu_attention.SUPPORTED_DTYPES)
-        self.decode_attention = (cpu_attention.paged_decode_attention if self.ragged_decode
-                                 else ops.paged_decode_attention)
+        # Decode attention: kernels.ops chooses (Triton on CUDA, numba on CPU); cpu_attention="torch"
+        # asks for the torch reference, which pads each call's rows to its longest context.
+        self.decode_backend = "torch" if cpu_attention_backend == "torch" and device.type == "cpu" else None
+        self.ragged_decode = ops.decode_backend(device, dtype, self.decode_backend) != "torch"
         self.scale = config.head_dim ** -0.5
 
         def w(name: str) -> torch.Tensor:
@@ -165,8 +162,8 @@ class LlamaModel:
     def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    meta: AttentionMetadata) -> torch.Tensor:
         nd, window = meta.num_decode_tokens, self.config.sliding_window
-        parts = [self.decode_attention(q[a:b], k_cache, v_cache, meta.decode_block_tables[a:b],
-                                       meta.decode_context_lens[a:b], self.scale, window)
+        parts = [ops.paged_decode_attention(q[a:b], k_cache, v_cache, meta.decode_block_tables[a:b],
+                                            meta.decode_context_lens[a:b], self.scale, window, self.decode_backend)
                  for a, b in (meta.decode_groups or ([(0, nd)] if nd else []))]
         if nd < q.shape[0]:
             parts.append(ops.paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables,

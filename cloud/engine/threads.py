@@ -129,7 +129,7 @@ def configure_environment(env: MutableMapping[str, str] | None = None, cpus: int
 def apply(num_threads: int | None) -> int:
     """At engine load on CPU: torch's intra-op threads, ``num_threads`` if given, else torch's current
     count capped at the CPUs available (a caller that chose fewer keeps them). numba's decode
-    kernel follows torch's count (``apiary.cloud.engine.cpu_attention``)."""
+    kernel follows torch's count (``apiary.kernels.cpu_attention``)."""
     import torch
 
     n = num_threads or min(torch.get_num_threads(), STATE.cpus or available_cpus(affinity_cpus(), cgroup_cpu_limit()))

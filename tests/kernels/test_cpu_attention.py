@@ -1,4 +1,4 @@
-"""The numba CPU decode-attention kernel against the dense float64 oracle and the torch reference."""
+"""The numba CPU decode-attention kernel (behind ``ops`` on CPU) against the dense float64 oracle and the torch reference."""
 from __future__ import annotations
 
 import pytest
@@ -6,10 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from apiary.cloud.engine import cpu_attention
-from apiary.cloud.engine.config import EngineConfig
-from apiary.cloud.engine.errors import EngineError
-from apiary.kernels import reference
+from apiary.kernels import cpu_attention, ops, reference
+from apiary.kernels.errors import KernelError
 from tests.kernels.cases import dense_attention, make_case, tolerance
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -72,37 +70,28 @@ def test_random_batches_match_the_reference(data):
 def test_unsupported_caches_are_refused():
     case = make_case([4], [1], 2, 1, 16, dtype=torch.float16)
     assert not cpu_attention.supports(case.k_cache)
-    with pytest.raises(ValueError, match="float16"):
+    with pytest.raises(KernelError, match="float16"):
         cpu_attention.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables,
                                              case.context_lens, case.scale)
-    with pytest.raises(ValueError, match="sliding_window"):
+    with pytest.raises(KernelError, match="sliding_window"):
         case = make_case([4], [1], 2, 1, 16)
         cpu_attention.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables,
                                              case.context_lens, case.scale, 0)
 
 
-def test_engine_config_names_the_backend():
-    with pytest.raises(EngineError, match="cpu_attention"):
-        EngineConfig(model_path="x.gguf", cpu_attention="fortran")  # type: ignore[arg-type]
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_real_model_batched_tokens_match_the_torch_backend(real_engine, gguf_path):
-    """16 mixed-length SmolLM2 requests decoded together: the numba kernel (the default on CPU) and
-    the torch reference pick the same greedy tokens, or differ only at near-ties."""
-    from apiary.cloud.engine import LLMEngine, SamplingParams
-    from tests.cloud.engine.test_real_batching import check_same_or_near_tie, generate_all, make_prompts
-
-    assert real_engine.runner.model.ragged_decode
-    torch_engine = LLMEngine(EngineConfig(model_path=gguf_path, dtype="float32", kv_cache_bytes=128 << 20,
-                                          cpu_attention="torch"))
-    assert not torch_engine.runner.model.ragged_decode
-    prompts = make_prompts(real_engine)
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
-    real_engine.reset_prefix_cache()
-    ours = generate_all(real_engine, prompts, params)
-    theirs = generate_all(torch_engine, prompts, params)
-    for p, ref, got in zip(prompts, theirs, ours):
-        check_same_or_near_tie(torch_engine, p, ref, got)
-    assert sum(a == b for a, b in zip(ours, theirs)) >= 14
+def test_ops_serves_cpu_decode_from_this_kernel():
+    """The one interface: on CPU, ``auto`` picks numba for float32/bfloat16 caches, the reference otherwise
+    or when asked; forcing numba where it cannot serve names why."""
+    cpu = torch.device("cpu")
+    assert ops.decode_backend(cpu, torch.float32, "auto") == "numba"
+    assert ops.decode_backend(cpu, torch.bfloat16, "auto") == "numba"
+    assert ops.decode_backend(cpu, torch.float16, "auto") == "torch"
+    assert ops.decode_backend(cpu, torch.float32, "torch") == "torch"
+    with pytest.raises(KernelError, match="numba decode kernel"):
+        ops.decode_backend(cpu, torch.float16, "numba")
+    with pytest.raises(KernelError, match="unknown decode attention backend"):
+        ops.decode_backend(cpu, torch.float32, "fortran")
+    case = make_case([5, 40, 17], [1, 1, 1], 6, 2, 32, 16)
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, case.scale)
+    assert torch.equal(ops.paged_decode_attention(*args, backend="auto"), cpu_attention.paged_decode_attention(*args))
+    assert torch.equal(ops.paged_decode_attention(*args, backend="torch"), reference.paged_decode_attention(*args))
