@@ -69,6 +69,8 @@ class CloudSettings(BaseModel):
     served_model_name: str | None = None
     device: str = "cpu"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # decoder weights: in `dtype`, or int8 (W8A8 + SmoothQuant, CPU only; docs/engine.md "int8 weights")
+    weights: Literal["dtype", "int8"] = "dtype"
     kv_cache_mb: int = Field(default=512, ge=1)
     max_num_seqs: int = Field(default=32, ge=1)
     max_num_batched_tokens: int = Field(default=1024, ge=16)
