@@ -9,6 +9,7 @@ from apiary.cloud.engine.errors import EngineError
 from apiary.cloud.engine.spec.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+WEIGHTS = ("dtype", "int8")
 
 
 @dataclass(slots=True)
@@ -17,6 +18,8 @@ class EngineConfig:
     adapter_path: str | Path | None = None  # a LoRA adapter folder (cloud.engine.adapter), merged at load
     device: str = "cpu"
     dtype: str = "auto"  # auto: float32 on CPU (the correctness reference), bfloat16 on CUDA
+    # decoder projections' weights: in ``dtype``, or "int8" (W8A8 with SmoothQuant, CPU only: cloud.engine.int8)
+    weights: str = "dtype"
     block_size: int = 16
     kv_cache_bytes: int | None = None  # KV pool budget; None: 1 GiB on CPU, 90% of free memory on CUDA
     max_num_batched_tokens: int = 1024  # token budget per step (chunked prefill keeps decodes flowing)
@@ -40,6 +43,8 @@ class EngineConfig:
                 raise EngineError(f"EngineConfig.{name} must be an int >= 1, got {value!r}")
         if self.dtype not in DTYPES:
             raise EngineError(f"EngineConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.weights not in WEIGHTS:
+            raise EngineError(f"EngineConfig.weights must be one of {WEIGHTS}, got {self.weights!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise EngineError(f"EngineConfig.preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.cpu_attention not in ("numba", "torch"):

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from apiary.cloud.engine.config import ModelConfig
 from apiary.cloud.engine.errors import EngineError, StepInterrupted
+from apiary.cloud.engine.int8 import Int8Linear
 from apiary.cloud.engine.linear import Linear
 from apiary.kernels import ops
 
@@ -74,11 +75,11 @@ def paged_layout(starts: np.ndarray, counts: np.ndarray, block_tables: list[list
 @dataclass(slots=True)
 class DecoderLayer:
     input_norm: torch.Tensor
-    qkv: Linear
-    o_proj: Linear
+    qkv: Linear | Int8Linear  # Int8Linear with EngineConfig(weights="int8")
+    o_proj: Linear | Int8Linear
     post_norm: torch.Tensor
-    gate_up: Linear
-    down: Linear
+    gate_up: Linear | Int8Linear
+    down: Linear | Int8Linear
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.input_norm, self.post_norm] + [t for lin in (self.qkv, self.o_proj, self.gate_up, self.down)

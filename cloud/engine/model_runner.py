@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
+from pathlib import Path
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -10,7 +12,7 @@ import torch
 
 from apiary.cloud.engine.config import EngineConfig
 from apiary.cloud.engine.errors import EngineError
-from apiary.cloud.engine import host_memory, threads
+from apiary.cloud.engine import host_memory, int8, threads
 from apiary.cloud.engine.loader import Checkpoint
 from apiary.cloud.engine.model import AttentionMetadata, LlamaModel, paged_layout
 from apiary.cloud.engine.scheduler import ScheduledBatch
@@ -47,6 +49,8 @@ class ModelRunner:
             host_memory.keep_freed_memory()
             # The configured count, else torch's current one capped at the CPUs available.
             threads.apply(config.num_threads)
+        if config.weights == "int8" and self.device.type != "cpu":
+            raise EngineError("weights='int8' is a CPU path (oneDNN int8 GEMM); on CUDA use dtype bfloat16")
         self.dtype = resolve_dtype(config, self.device)
         if self.device.type == "cpu":
             flags = cpu.host_flags()
@@ -57,6 +61,8 @@ class ModelRunner:
         mc = self.model_config = checkpoint.config
         self.model = LlamaModel(mc, checkpoint.weights, self.device, self.dtype, max_positions=max_model_len,
                                 cpu_attention_backend=config.cpu_attention)
+        if config.weights == "int8":
+            self._quantize(config, checkpoint)
         self.bytes_per_block = 2 * mc.num_layers * config.block_size * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
         budget = config.kv_cache_bytes or self._default_kv_bytes()
         self.num_blocks = budget // self.bytes_per_block
@@ -67,6 +73,19 @@ class ModelRunner:
                                  self.dtype, self.device)
         self.kv_caches = [(pool[layer, 0], pool[layer, 1]) for layer in range(mc.num_layers)]
         self.generator = torch.Generator().manual_seed(config.seed)
+
+    def _quantize(self, config: EngineConfig, checkpoint: Checkpoint) -> None:
+        """W8A8 projections, SmoothQuant factors from a calibration pass over fixed prompts (``int8``)."""
+        from apiary.cloud.engine.tokenizer import load_tokenizer
+
+        start = time.perf_counter()
+        tokenizer = load_tokenizer(Path(config.model_path).expanduser(), checkpoint.metadata or None)
+        prompts = [tokenizer.encode(p) for p in int8.CALIBRATION_PROMPTS]
+        stats = int8.calibrate(self.model, prompts, config.block_size)
+        int8.quantize_model(self.model, stats)
+        log.info("int8 weights (W8A8, SmoothQuant alpha %.2f over %d calibration tokens, %s GEMM) in %.1f s",
+                 int8.DEFAULT_ALPHA, sum(map(len, prompts)), self.model.layers[0].qkv.backend,
+                 time.perf_counter() - start)
 
     def _default_kv_bytes(self) -> int:
         if self.device.type == "cuda":

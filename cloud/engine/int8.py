@@ -1,0 +1,266 @@
+"""W8A8 linear layers: int8 weights per output channel, int8 activations per token, SmoothQuant scaling.
+
+Why: int8 halves the weight bytes of bf16 (a quarter of fp32) and int8 dot products (VNNI on
+AVX-512 and AVX2 hosts, AMX tiles on Sapphire Rapids) compute 2x the bf16 rate, so a CPU without
+native bf16 gets a path past its float32 floor, as llama.cpp's quantized dot products do.
+``EngineConfig(weights="int8")`` selects it; it is not the default (see "Where it pays" below).
+
+The GEMM is oneDNN's int8 linear through torch (``torch.ops.onednn.qlinear_pointwise`` on a weight
+prepacked once by ``qlinear_prepack``: what inductor's x86 int8 lowering calls, so it is
+maintained with torch), with ``torch._int_mm`` (int8 x int8 -> int32) as the fallback where
+that op is missing or disagrees on a probe. Measured on the 2-core Sapphire Rapids dev machine
+(AVX-512 VNNI, AMX), one thread, this model's four projections summed, GEMM alone (ms):
+rows 1: oneDNN 0.38, ``_int_mm`` 0.65, fp32 0.62, bf16 prepacked 0.46; rows 64: 0.53, 0.64,
+5.9, 0.76; rows 1,024: 10.7, 11.2, 70.7, 8.6. ``torch.ops.quantized.linear_dynamic``
+(fbgemm) quantizes activations per tensor, not per token, and was slower (1.4 ms at one row
+for a single projection). oneDNN applies the per-channel weight scales itself; its activation
+scale must be one number, so activations go in with scale 1 and each output row is multiplied
+by its token's scale afterwards (one elementwise op), bias after that.
+
+Activations: per-token symmetric int8 (``absmax / 127``), computed at run time. SmoothQuant
+moves activation outliers into the weights: input channel ``j`` is divided by
+``s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)`` and the weight's column multiplied by it, with the
+activation maxima from a short calibration over fixed prompts at load (``calibrate``: ~200
+tokens, under a second). The division costs nothing at run time: it is folded into the RMSNorm
+weight before q/k/v and before gate/up, into the up projection's rows before down (its input is
+``silu(gate) * up``), and into the v projection's rows before o (attention output is a convex
+mix of v rows; channels sharing a KV head share one factor). The LM head stays in the engine's
+dtype: it is the embedding (tied), and every logit comes straight from it.
+
+Where it pays: on a host with AMX bf16, the prepacked bf16 GEMM is already within ~1.4x of
+the int8 one, and the per-token quantization (five torch ops per projection) costs more than
+that difference, so int8 is slower than bf16 there; against float32 (AVX2-only hosts, where
+bf16 is emulated) it is 3-6x less GEMM time. docs/benchmarks.md has the engine numbers.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from apiary.cloud.engine.errors import EngineError
+
+if TYPE_CHECKING:
+    from apiary.cloud.engine.model import LlamaModel
+
+DEFAULT_ALPHA = 0.5  # SmoothQuant's migration strength: half of each outlier moves into the weights
+MIN_SCALE = 1e-8  # floor for scales of all-zero rows/columns (they quantize to zeros)
+
+# Calibration text: the cloud's traffic (chat-formatted sensor questions) and plain prose.
+CALIBRATION_PROMPTS = (
+    "<|im_start|>system\nYou are the cloud tier of a beehive sensor network. Answer with one JSON action."
+    "<|im_end|>\n<|im_start|>user\nHive hive-0007 at site orchard: brood temperature 38.9 C (rising 1.2 C/h), "
+    "humidity 71%, weight 41.3 kg (-0.9 kg in 24 h), acoustic 410 Hz, battery 3.61 V. Severity: warning."
+    "<|im_end|>\n<|im_start|>assistant\n{\"assessment\": \"heat_stress\", \"action\": \"shade\"",
+    "<|im_start|>user\nWhy do bees fan at the entrance in the evening, and is a sudden weight drop of "
+    "two kilograms overnight a sign of swarming or of robbing?<|im_end|>\n<|im_start|>assistant\n",
+    "The colony winters as a tight cluster. Worker bees shiver their flight muscles to keep the core "
+    "near 35 degrees, rotating between the cold outside and the warm centre, while the queen stays "
+    "in the middle. A hive scale shows the stores being eaten: 12 3.5 2024 kg, 61 percent.",
+)
+
+
+# ---------------------------------------------------------------- quantization
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: ``(q [N, K] int8, scale [N] float32)``, ``weight ~= q * scale[:, None]``."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1).clamp(min=MIN_SCALE) / 127.0
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row (per-token) int8 of ``x [M, K]``: ``(q int8, scale [M, 1] float32)``."""
+    scale = torch.linalg.vector_norm(x.float(), float("inf"), dim=-1, keepdim=True).clamp_(min=MIN_SCALE).div_(127.0)
+    return torch.div(x, scale).round_().to(torch.int8), scale
+
+
+def smoothing(act_absmax: torch.Tensor, weight: torch.Tensor, alpha: float = DEFAULT_ALPHA) -> torch.Tensor:
+    """SmoothQuant's per-input-channel divisor ``s [K]`` for activations with maxima ``act_absmax [K]`` and
+    ``weight [N, K]``: ``s = a^alpha / w^(1 - alpha)``, 1 where a channel never fired or has no weight."""
+    if not 0.0 <= alpha <= 1.0:
+        raise EngineError(f"SmoothQuant alpha must be in [0, 1], got {alpha}")
+    a = act_absmax.float()
+    w = weight.float().abs().amax(dim=0)
+    s = a.pow(alpha) / w.pow(1.0 - alpha)
+    ok = (a > 0) & (w > 0) & torch.isfinite(s)
+    return torch.where(ok, s, torch.ones_like(s)).clamp(min=1e-5, max=1e5)
+
+
+# ---------------------------------------------------------------- the GEMM
+
+
+@functools.cache
+def _onednn_usable() -> bool:
+    """oneDNN's int8 linear is present and exact on a probe (integer products, so it must be)."""
+    ops = torch.ops.onednn
+    if not (torch.backends.mkldnn.is_available() and hasattr(ops, "qlinear_prepack")
+            and hasattr(ops, "qlinear_pointwise")):
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randint(-127, 128, (24, 40), generator=g, dtype=torch.int8)
+        x = torch.randint(-127, 128, (5, 40), generator=g, dtype=torch.int8)
+        layer = Int8Linear(w, torch.ones(24), None, _prepack(w))
+        got = layer._gemm(x, torch.float32)
+    except RuntimeError:
+        return False
+    return torch.equal(got, (x.long() @ w.long().t()).float())
+
+
+def _prepack(qweight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.onednn.qlinear_prepack(qweight, None)
+
+
+@dataclass(slots=True)
+class Int8Linear:
+    """``y = (q(x) @ qweight.T) * x_scale * scale + bias`` with per-token ``q(x)``: a drop-in for ``linear.Linear``."""
+
+    qweight: torch.Tensor  # [N, K] int8
+    scale: torch.Tensor  # [N] float32, per output channel
+    bias: torch.Tensor | None = None
+    packed: torch.Tensor | None = None  # oneDNN's prepacked weight; None: torch._int_mm
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
+        if weight.device.type != "cpu":
+            raise EngineError("int8 weights are a CPU path (oneDNN / torch._int_mm); use dtype bfloat16 on CUDA")
+        q, scale = quantize_weight(weight)
+        return cls(q, scale, bias, _prepack(q) if _onednn_usable() else None)
+
+    @property
+    def backend(self) -> str:
+        return "onednn" if self.packed is not None else "int_mm"
+
+    def _gemm(self, q: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """``q @ qweight.T`` times the weight scales, in ``out_dtype``."""
+        if self.packed is not None:
+            return torch.ops.onednn.qlinear_pointwise.tensor(
+                q, _ONE, _ZERO, self.packed, self.scale, _zero_points(self.scale.shape[0]), None, 1.0, 0,
+                out_dtype, "none", [], "")
+        return torch._int_mm(q, self.qweight.t()).to(out_dtype).mul_(self.scale.to(out_dtype))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            return self(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+        if x.shape[0] == 0:
+            return x.new_empty((0, self.qweight.shape[0]))
+        q, row_scale = quantize_rows(x)
+        y = self._gemm(q, x.dtype).mul_(row_scale.to(x.dtype))
+        return y if self.bias is None else y.add_(self.bias)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight this layer computes with (tests, error analysis)."""
+        return self.qweight.float() * self.scale[:, None]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.qweight, self.scale] + ([] if self.bias is None else [self.bias])
+
+
+_ONE, _ZERO = torch.tensor(1.0), torch.tensor(0, dtype=torch.long)
+
+
+@functools.cache
+def _zero_points(n: int) -> torch.Tensor:
+    return torch.zeros(n, dtype=torch.long)
+
+
+# ---------------------------------------------------------------- calibration and conversion
+
+
+@dataclass(slots=True)
+class _Observer:
+    """Stands in for a linear during calibration: records each input channel's largest |activation|."""
+
+    inner: object
+    absmax: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.detach().abs().amax(dim=0).float()
+        self.absmax = m if self.absmax is None else torch.maximum(self.absmax, m)
+        return self.inner(x)  # type: ignore[operator]
+
+
+PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
+
+
+@torch.inference_mode()
+def calibrate(model: LlamaModel, prompts: Iterable[list[int]], block_size: int = 16) -> list[dict[str, torch.Tensor]]:
+    """Per layer, per projection: the largest |input| of each input channel over ``prompts`` (token ids),
+    run through ``model`` in its current (floating-point) weights on a scratch KV cache."""
+    from apiary.cloud.engine.model import paged_layout
+
+    c = model.config
+    observers = [{name: _Observer(getattr(layer, name)) for name in PROJECTIONS} for layer in model.layers]
+    for layer, obs in zip(model.layers, observers):
+        for name, o in obs.items():
+            setattr(layer, name, o)
+    try:
+        for ids in prompts:
+            if len(ids) < 2:
+                raise EngineError("calibration prompts need at least 2 tokens")
+            blocks = -(-len(ids) // block_size)
+            shape = (blocks, block_size, c.num_kv_heads, c.head_dim)
+            caches = [(torch.zeros(shape, dtype=model.dtype, device=model.device),
+                       torch.zeros(shape, dtype=model.dtype, device=model.device)) for _ in model.layers]
+            positions, meta, _ = paged_layout(np.array([0]), np.array([len(ids)]), [list(range(blocks))],
+                                              block_size, 0, model.device)
+            model.forward(torch.tensor(ids, device=model.device), positions, meta, caches)
+    finally:
+        for layer, obs in zip(model.layers, observers):
+            for name, o in obs.items():
+                setattr(layer, name, o.inner)
+    stats = []
+    for obs in observers:
+        if any(o.absmax is None for o in obs.values()):
+            raise EngineError("calibration saw no tokens")
+        stats.append({name: o.absmax for name, o in obs.items()})  # type: ignore[misc]
+    return stats
+
+
+@torch.inference_mode()
+def quantize_model(model: LlamaModel, stats: list[dict[str, torch.Tensor]] | None, alpha: float = DEFAULT_ALPHA) -> None:
+    """Replace every decoder layer's projections by ``Int8Linear``, in place.
+
+    With ``stats`` (from ``calibrate``), SmoothQuant factors are folded into the preceding weights
+    (RMSNorm weights, the up rows, the v rows); without, weights are quantized as they are.
+    """
+    from apiary.cloud.engine.linear import Linear
+
+    c = model.config
+    group = c.num_heads // c.num_kv_heads
+    q_rows, kv_rows = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    for i, layer in enumerate(model.layers):
+        lins = {name: getattr(layer, name) for name in PROJECTIONS}
+        if not all(isinstance(lin, Linear) for lin in lins.values()):
+            raise EngineError(f"layer {i} is already quantized")
+        w = {name: lin.weight.float().clone() for name, lin in lins.items()}
+        b = {name: None if lin.bias is None else lin.bias.float().clone() for name, lin in lins.items()}
+        if stats is not None:
+            st = stats[i]
+            # down's input is silu(gate) * up: dividing channel j of up divides down's input channel j.
+            s = smoothing(st["down"], w["down"], alpha)
+            w["down"] *= s[None, :]
+            w["gate_up"][c.intermediate_size:] /= s[:, None]
+            # o's input is the attention output, per query head a mix of its KV head's v rows: one factor
+            # per (KV head, dim), from the maxima over the query heads sharing it.
+            a = st["o_proj"].view(c.num_kv_heads, group, c.head_dim).amax(dim=1)
+            wo = w["o_proj"].view(-1, c.num_kv_heads, group, c.head_dim).abs().amax(dim=(0, 2))
+            s_kv = smoothing(a.flatten(), wo.flatten()[None, :], alpha).view(c.num_kv_heads, c.head_dim)
+            w["o_proj"] *= s_kv[:, None, :].expand(c.num_kv_heads, group, c.head_dim).reshape(1, -1)
+            w["qkv"][q_rows + kv_rows:] /= s_kv.reshape(-1, 1)
+            if b["qkv"] is not None:
+                b["qkv"][q_rows + kv_rows:] /= s_kv.reshape(-1)
+            # qkv and gate/up read RMSNorm outputs: fold the divisor into the norm weights.
+            for name, norm in (("qkv", "input_norm"), ("gate_up", "post_norm")):
+                s = smoothing(st[name], w[name], alpha)
+                w[name] *= s[None, :]
+                setattr(layer, norm, (getattr(layer, norm).float() / s).to(model.dtype))
+        for name, lin in lins.items():
+            setattr(layer, name, Int8Linear.of(w[name], None if b[name] is None else b[name].to(model.dtype)))

@@ -1,0 +1,109 @@
+"""W8A8 int8 weights (cloud.engine.int8): the quantizers, the GEMM, SmoothQuant's folding, and the real-model gate."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from apiary.cloud.engine import EngineConfig, LLMEngine, SamplingParams, int8
+from apiary.cloud.engine.errors import EngineError
+from apiary.cloud.engine.linear import Linear
+from tests.cloud.engine.conftest import prompt_logits
+
+
+def test_weights_quantize_per_output_channel() -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 40, generator=g) * torch.logspace(-3, 1, 48)[:, None]  # rows of very different size
+    w[5] = 0.0
+    q, scale = int8.quantize_weight(w)
+    assert q.dtype == torch.int8 and scale.shape == (48,)
+    assert q.abs().amax(dim=1)[torch.arange(48) != 5].eq(127).all()  # every row uses its full range
+    assert torch.equal(q[5], torch.zeros(40, dtype=torch.int8))
+    assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-7).all()
+
+
+def test_activations_quantize_per_token() -> None:
+    x = torch.tensor([[0.5, -2.0, 1.0], [0.0, 0.0, 0.0], [300.0, 1.0, -1.0]])
+    q, scale = int8.quantize_rows(x)
+    assert scale.shape == (3, 1)
+    assert q[0].tolist() == [32, -127, 64] and q[1].tolist() == [0, 0, 0] and q[2, 0] == 127
+    assert ((q.float() * scale - x).abs() <= scale / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_computes_the_quantized_product(rows: int, dtype: torch.dtype) -> None:
+    """Both GEMMs (oneDNN where usable, torch._int_mm) compute q(x) @ q(W).T exactly up to float rounding,
+    and the result stays close to the float layer."""
+    g = torch.Generator().manual_seed(rows)
+    w, bias = torch.randn(96, 80, generator=g) * 0.05, torch.randn(96, generator=g)
+    x = torch.randn(rows, 80, generator=g).to(dtype)
+    layer = int8.Int8Linear.of(w, bias.to(dtype))
+    plain = int8.Int8Linear(layer.qweight, layer.scale, layer.bias, None)  # torch._int_mm
+    q, s = int8.quantize_rows(x)
+    exact = (q.float() * s) @ layer.dequantized().t() + bias.to(dtype).float()
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.02}
+    for lin in (layer, plain):
+        with torch.inference_mode():
+            y = lin(x)
+        assert y.dtype == dtype and y.shape == (rows, 96)
+        torch.testing.assert_close(y.float(), exact, **tol)
+    ref = F.linear(x.float(), w, bias)
+    assert ((layer(x).float() - ref).norm() / ref.norm()).item() < 0.03
+    assert layer(x[:0]).shape == (0, 96)
+    assert layer(x.reshape(1, rows, 80)).shape == (1, rows, 96)
+
+
+def test_the_onednn_gemm_is_used_where_torch_has_it() -> None:
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")):
+        pytest.skip("this torch build has no oneDNN int8 linear")
+    assert int8.Int8Linear.of(torch.randn(16, 32)).backend == "onednn"
+
+
+def test_smoothing_moves_outliers_and_is_bounded() -> None:
+    act = torch.tensor([100.0, 1.0, 0.0, 4.0])
+    w = torch.tensor([[1.0, 1.0, 1.0, 0.0], [0.5, 0.25, 1.0, 0.0]])
+    s = int8.smoothing(act, w, 0.5)
+    torch.testing.assert_close(s[:2], torch.tensor([10.0, 1.0]))  # sqrt(100) / sqrt(1), sqrt(1) / sqrt(1)
+    assert s[2] == 1.0 and s[3] == 1.0  # a channel that never fired, a channel without weight
+    assert int8.smoothing(act, w, 1.0).tolist() == [100.0, 1.0, 1.0, 1.0]  # alpha 1: all of it into the weights
+    with pytest.raises(EngineError, match="alpha"):
+        int8.smoothing(act, w, 1.5)
+
+
+@pytest.mark.parametrize("name", ["tiny_llama", "tiny_qwen2"])
+def test_smoothquant_folding_leaves_the_float_model_unchanged(name: str, request: pytest.FixtureRequest,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SmoothQuant factors folded into the norms, the up rows and the v rows (with q/k/v biases and GQA)
+    change nothing in exact arithmetic: with float layers in place of int8 ones, the logits stay the same."""
+    folder = request.getfixturevalue(name)
+    engine = LLMEngine(EngineConfig(model_path=folder, dtype="float32", kv_cache_bytes=4 << 20, block_size=8))
+    ids = engine.tokenizer.encode("Queen present, brood pattern solid. Sensor 7 reports humidity 62% " * 2)
+    _, before = prompt_logits(engine, ids, use_prefix_cache=False)
+    model = engine.runner.model
+    stats = int8.calibrate(model, [ids[:40], ids[10:]], block_size=8)
+    assert all(st["down"].shape == (model.config.intermediate_size,) for st in stats)
+    monkeypatch.setattr(int8.Int8Linear, "of", classmethod(lambda cls, w, b=None: Linear.of(w, b)))
+    int8.quantize_model(model, stats, alpha=0.5)
+    assert model.layers[0].input_norm.ne(model.layers[0].input_norm.new_ones(1)).any()
+    _, after = prompt_logits(engine, ids, use_prefix_cache=False)
+    torch.testing.assert_close(after, before, atol=2e-4, rtol=1e-4)
+
+
+def test_an_int8_engine_serves_batches(tiny_qwen2: Path) -> None:
+    engine = LLMEngine(EngineConfig(model_path=tiny_qwen2, dtype="float32", weights="int8", kv_cache_bytes=4 << 20,
+                                    block_size=8))
+    assert all(isinstance(layer.qkv, int8.Int8Linear) and isinstance(layer.down, int8.Int8Linear)
+               for layer in engine.runner.model.layers)
+    with pytest.raises(EngineError, match="already quantized"):
+        int8.quantize_model(engine.runner.model, None)
+    outs = engine.generate(["Queen present", "Sensor 7 reports humidity 62% and a weight gain"],
+                           SamplingParams(max_tokens=6, ignore_eos=True))
+    assert [len(o.output_token_ids) for o in outs] == [6, 6]
+
+
+def test_bad_weights_settings_are_refused() -> None:
+    with pytest.raises(EngineError, match="weights"):
+        EngineConfig(model_path="x.gguf", weights="int4")
