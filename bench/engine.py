@@ -39,7 +39,7 @@ WORDS = ("hive colony brood queen worker drone nectar pollen honey comb frame wa
          "entrance guard robbing varroa mite inspection super winter spring summer autumn beekeeper smoke "
          "the a of and to in is was rose fell steady kg degrees percent alert normal check report hive7 "
          "12 3.5 2024 why how when colony's bees' calm busy loud quiet").split()
-SYSTEMS = ("engine", "engine-torch-attn", "engine-fp32", "engine-bs1", "hf", "llama-cpp", "llama-server", "cloud-http")
+SYSTEMS = ("engine", "engine-torch-attn", "engine-fp32", "engine-int8", "engine-int8-fp32", "engine-bs1", "hf", "llama-cpp", "llama-server", "cloud-http")
 HTTP_SYSTEMS = ("llama-server", "cloud-http")
 
 
@@ -253,10 +253,10 @@ def command(
     threads = threads or engine_threads.STATE.cpus
     torch.set_num_threads(threads)
 
-    def engine_for(engine_dtype: str, cpu_attention: str = "numba") -> Any:
+    def engine_for(engine_dtype: str, cpu_attention: str = "numba", weights: str = "dtype") -> Any:
         return LLMEngine(EngineConfig(model_path=path, dtype=engine_dtype, kv_cache_bytes=2 << 30,
                                       max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                                      num_threads=threads, cpu_attention=cpu_attention))
+                                      num_threads=threads, cpu_attention=cpu_attention, weights=weights))
 
     engines: dict[str, Any] = {}
     tokenizer = (engines.setdefault(dtype, engine_for(dtype))).tokenizer
@@ -278,6 +278,13 @@ def command(
         elif system == "engine-fp32":
             res = run_engine(engines.setdefault("float32", engine_for("float32")), work, max_num_seqs)
             res.detail = f"continuous batching, float32, max_num_seqs={max_num_seqs}, budget={budget}"
+        elif system == "engine-int8":  # W8A8 projections (cloud.engine.int8), activations in --dtype
+            res = run_engine(engines.setdefault("int8", engine_for(dtype, weights="int8")), work, max_num_seqs)
+            res.detail = f"continuous batching, int8 weights (W8A8), {resolved('int8')} activations"
+        elif system == "engine-int8-fp32":  # the same with float32 activations: the path for CPUs without bf16
+            res = run_engine(engines.setdefault("int8-fp32", engine_for("float32", weights="int8")), work,
+                             max_num_seqs)
+            res.detail = "continuous batching, int8 weights (W8A8), float32 activations"
         elif system == "engine-bs1":
             # Batch size 1 in float32: bf16 gains nothing at batch 1 on this CPU (measured), so the
             # sequential baseline gets its fastest precision.
@@ -302,7 +309,7 @@ def command(
 
     for system in [s for r in range(rounds) for s in (chosen if r % 2 == 0 else chosen[::-1])]:
         load_before = os.getloadavg()[0]
-        n = len(work) if system in ("engine", "engine-torch-attn", "engine-fp32", *HTTP_SYSTEMS) else len(seq_work)
+        n = len(work) if system.startswith("engine") and system != "engine-bs1" or system in HTTP_SYSTEMS else len(seq_work)
         typer.echo(f"running {system} on {n} requests (load average {load_before:.1f}"
                    f"{f', {background} busy processes beside it' if background else ''}) ...")
         with busy_processes(background):
