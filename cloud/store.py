@@ -247,6 +247,9 @@ class SqlStore(Store):
         self.engine: Engine = make_engine(db)
         self.dialect = self.engine.dialect.name
         self._reader = self.engine.execution_options(**{READ_ONLY: True})
+        # one statement needs no BEGIN/COMMIT around it (it is atomic alone): two round trips fewer per recorded
+        # message on PostgreSQL
+        self._single = self.engine.execution_options(isolation_level="AUTOCOMMIT")
         # one in-memory SQLite connection is shared by every thread: its transactions must not interleave
         self._serial = threading.RLock() if isinstance(self.engine.pool, StaticPool) else None
         self._insert = pg_insert if self.dialect == "postgresql" else sqlite_insert
@@ -272,9 +275,17 @@ class SqlStore(Store):
         with self._tx(write=False) as c:
             return list(c.execute(text(stmt) if isinstance(stmt, str) else stmt))
 
-    def _write(self, stmt: Any, rows: Any = None) -> int:
-        with self._tx() as c:
-            return c.execute(stmt, rows).rowcount if rows is not None else c.execute(stmt).rowcount
+    @contextmanager
+    def _statement(self) -> Iterator[Connection]:
+        """A connection for one statement on its own (autocommit)."""
+        with self._serial or nullcontext():
+            with self._single.connect() as conn:
+                yield conn
+
+    def _write(self, stmt: Any) -> int:
+        """One writing statement; how many rows it touched."""
+        with self._statement() as c:
+            return c.execute(stmt).rowcount
 
     def _serialize(self, conn: Connection, *parts: str) -> None:
         """PostgreSQL: hold a transaction-scoped lock on ``parts`` (e.g. one request), so read-then-write
@@ -342,7 +353,7 @@ class SqlStore(Store):
     def _insert_once(self, table: Table, **values: Any) -> bool:
         """Insert unless a row with the same key exists (a redelivery, another replica): True when stored."""
         stmt = self._insert(table).values(**values).on_conflict_do_nothing().returning(*table.primary_key)
-        with self._tx() as c:
+        with self._statement() as c:
             return c.execute(stmt).first() is not None  # RETURNING, not rowcount: psycopg's is -1 here
 
     def record_event(self, envelope_id: str, event: SensorEvent, *, received_at: float | None = None) -> bool:

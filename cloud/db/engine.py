@@ -84,6 +84,9 @@ def make_engine(db: str | Path) -> Engine:
 
     @event.listens_for(engine, "begin")
     def _begin(conn) -> None:
-        conn.exec_driver_sql("BEGIN" if conn.get_execution_options().get(READ_ONLY) else "BEGIN IMMEDIATE")
+        options = conn.get_execution_options()
+        if options.get("isolation_level") == "AUTOCOMMIT":
+            return  # one statement on its own: SQLite runs it as its own transaction
+        conn.exec_driver_sql("BEGIN" if options.get(READ_ONLY) else "BEGIN IMMEDIATE")
 
     return engine
