@@ -431,6 +431,9 @@ def command(
     resend_s: float = typer.Option(5.0, help="kill run: re-send unanswered escalations this often, as the edge does"),
     claim_lease_s: float = typer.Option(10.0, help="the replicas' claim lease: a dead replica's claims are taken "
                                                    "over after it"),
+    scale: bool = typer.Option(False, help="--requests and --concurrency are per replica: n replicas get n times "
+                                           "the workload, so each keeps the batch one replica had (CPU per request "
+                                           "then compares replicas, not batch sizes)"),
 ) -> None:
     """Serving load test: Poisson arrivals on the REST API (SSE) and the MQTT escalation path."""
     import tempfile
@@ -448,7 +451,10 @@ def command(
         raise typer.BadParameter(f"--replicas takes a comma list of counts >= 1; got {replicas!r}")
     if db not in ("sqlite", "temp-postgresql") and not db.startswith(("postgresql://", "postgres://")):
         raise typer.BadParameter(f"--db takes sqlite, temp-postgresql or a postgresql:// URL; got {db!r}")
-    samples = workload(requests, rate, parse_range(prompt_words), parse_range(max_tokens), seed)
+    def samples_for(n: int) -> list[Sample]:
+        k = n if scale else 1
+        return workload(requests * k, rate * k, parse_range(prompt_words), parse_range(max_tokens), seed)
+
     o = dict(model=model, dtype=dtype, max_num_seqs=max_num_seqs, kv_cache_mb=kv_cache_mb, threads=threads,
              concurrency=concurrency, slo_ttft=slo_ttft, slo_tpot=slo_tpot, slo_e2e=slo_e2e, seed=seed,
              resend_s=resend_s, claim_lease_s=claim_lease_s)
@@ -465,10 +471,12 @@ def command(
                                              "postgresql or pass --db postgresql://…")
                 pg = PostgresServer(bin_dir, durable=True).start()
             for n in counts:
-                results += _run_fleet(n, f"x{n}", chosen, samples, o, Path(td), db, False, pg)
+                results += _run_fleet(n, f"x{n}", chosen, samples_for(n), {**o, "concurrency": concurrency * (
+                    n if scale else 1)}, Path(td), db, False, pg)
             if kill:
                 n = max(2, max(counts))
-                results += _run_fleet(n, f"x{n}-kill", ["mqtt"], samples, o, Path(td), db, True, pg)
+                results += _run_fleet(n, f"x{n}-kill", ["mqtt"], samples_for(n), {**o, "concurrency": concurrency * (
+                    n if scale else 1)}, Path(td), db, True, pg)
         finally:
             if pg is not None:
                 pg.stop()
@@ -477,14 +485,15 @@ def command(
     rows = [[f"{r['replicas']}{' (1 killed)' if r['killed'] else ''}", r["path"], f"{r['ok']}/{r['requests']}",
              r["req_per_s"], r["out_tok_per_s"], r["ttft_p99"], r["e2e_p50"], r["e2e_p99"], r["goodput_req_per_s"],
              r["cpu_s_per_answer"], r["lost"], r.get("computed_twice", "")] for r in results]
-    report("serve", f"cloud serve: {requests} req/path, rate {rate}/s, concurrency {concurrency}, {dtype}, "
+    report("serve", f"cloud serve: {requests} req/path{' per replica' if scale else ''}, rate {rate}/s, "
+           f"concurrency {concurrency}{' per replica' if scale else ''}, {dtype}, "
            f"max_num_seqs {max_num_seqs}, db {db.split('@')[-1]}", columns, rows,
            {"results": results, "config": {"rate": rate, "requests": requests, "concurrency": concurrency,
                                            "prompt_words": prompt_words, "max_tokens": max_tokens, "model": model,
                                            "dtype": dtype, "max_num_seqs": max_num_seqs, "kv_cache_mb": kv_cache_mb,
                                            "slo": {"ttft": slo_ttft, "tpot": slo_tpot, "e2e": slo_e2e},
                                            "seed": seed, "replicas": counts, "db": db.split("@")[-1], "kill": kill,
-                                           "resend_s": resend_s, "claim_lease_s": claim_lease_s}})
+                                           "resend_s": resend_s, "claim_lease_s": claim_lease_s, "scale": scale}})
     for r in results:
         if r["errors"]:
             typer.echo(f"{r['replicas']} replicas, {r['path']} errors: {r['errors']}", err=True)
