@@ -143,3 +143,12 @@ def test_a_bad_database_url_is_a_clear_error(tmp_path):
         open_store("mysql://u:secret@h/db")
     result = db_upgrade("--db", "postgresql://nobody@/nowhere?host=/nonexistent&port=1")
     assert result.exit_code == 2 and "cannot migrate" in result.output
+
+
+def test_a_replica_refuses_to_start_on_an_unmigrated_postgresql(postgres, tmp_path):
+    """`apiary cloud serve` against a database nobody migrated: exit 2 naming the command, before any model load."""
+    url = postgres.create_database()
+    result = CliRunner().invoke(app, ["cloud", "serve", "--db", url, "--port", "0", "--api-key-file",
+                                      str(tmp_path / "keys.jsonl"), "--images", str(tmp_path / "images")])
+    assert result.exit_code == 2, result.output
+    assert "apiary cloud db upgrade" in result.output and "no schema yet" in result.output
