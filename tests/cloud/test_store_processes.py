@@ -1,4 +1,5 @@
-"""PostgreSQL only: replicas in separate processes racing for the same escalations through one database."""
+"""Replicas in separate processes on one database: racing for the same escalations (PostgreSQL), opening one
+fresh SQLite file together."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -45,3 +46,30 @@ def test_concurrent_claims_from_separate_processes_exactly_one_wins(postgres):
             f"req-{r}": w for w, won in results.items() for r in won}
     finally:
         store.close()
+
+
+def _open(path: str, out) -> None:
+    from apiary.cloud.store import SqliteStore
+
+    try:
+        SqliteStore(path).close()
+        out.put("ok")
+    except Exception as e:  # reported to the test, not lost in a child's stderr
+        out.put(repr(e))
+
+
+def test_replicas_opening_one_fresh_sqlite_file_at_once_all_start(tmp_path):
+    """SQLite is upgraded at start: four processes opening a new file together migrate it once and all run."""
+    from apiary.cloud.db import migrate
+    from tests.cloud.test_migrations import revision
+
+    ctx = mp.get_context("spawn")
+    path = str(tmp_path / "fresh.db")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_open, args=(path, out)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    assert sorted(out.get(timeout=120) for _ in procs) == ["ok"] * 4
+    for p in procs:
+        p.join(30)
+    assert revision(f"sqlite:///{path}") == migrate.head()
