@@ -206,6 +206,38 @@ def _llama_cpp_child() -> None:
                       "tokens": res.extra["tokens"]}))
 
 
+FLOOR_DTYPES = {"engine": None, "engine-torch-attn": None, "cloud-http": None, "engine-int8": "int8",
+                "engine-fp32": "float32", "engine-bs1": "float32", "engine-int8-fp32": "float32"}
+
+
+def matmul_floors(results: dict[str, Result], engines: dict[str, Any], dtype: str, work: list[Request],
+                  seq_work: list[Request]) -> dict[str, dict[str, Any]]:
+    """Each engine system's matmul floor (bench.floor): its workload's projection FLOPs at the rate this CPU
+    sustains in the system's float dtype (int8 systems against their activations' dtype: they may beat it).
+    Measured after the runs, with nothing beside them, as the machine's capability."""
+    import torch
+
+    from apiary.bench import floor
+
+    mc = engines[dtype].runner.model_config
+    rates: dict[str, float] = {}
+    out: dict[str, dict[str, Any]] = {}
+    for system in results:
+        if system not in FLOOR_DTYPES:
+            continue  # llama.cpp's quantized dot products have another floor
+        key = FLOOR_DTYPES[system]
+        engine = engines["int8"] if key == "int8" else engines[dtype]
+        torch_dtype = torch.float32 if key == "float32" else engine.runner.dtype
+        name = str(torch_dtype).removeprefix("torch.")
+        if name not in rates:
+            rates[name] = floor.matmul_gflops(mc, torch_dtype)
+        reqs = seq_work if system == "engine-bs1" else work
+        flops = floor.workload_flops(mc, sum(len(r.prompt) for r in reqs), sum(r.max_tokens for r in reqs), len(reqs))
+        out[system] = {"dtype": name, "gflops": round(rates[name], 1), "workload_gflop": round(flops / 1e9, 1),
+                       "seconds": flops / 1e9 / rates[name]}
+    return out
+
+
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     """Fraction of requests whose first 16 greedy tokens are identical (runtimes differ at near-ties)."""
     return sum(x[:16] == y[:16] for x, y in zip(a, b)) / max(1, len(a))
@@ -331,15 +363,19 @@ def command(
         n = len(per_round)
         return per_round[n // 2] if n % 2 else (per_round[n // 2 - 1] + per_round[n // 2]) / 2
 
+    floors = matmul_floors(results, engines, dtype, work, seq_work)
     columns = ["system", "output tok", "wall s", "output tok/s", "CPU %", "x HF seq", "x llama.cpp seq",
-               "TTFT p50 s", "TTFT p99 s", "x llama-server", "peak RSS MB"]
+               "TTFT p50 s", "TTFT p99 s", "x llama-server", "peak RSS MB", "matmul floor s", "% of floor"]
     rows = []
     for system, res in results.items():
         ttft = [t for t in res.ttfts if t is not None]
+        floor = floors.get(system)
         rows.append([system, res.output_tokens, round(res.wall, 1), round(res.tok_s, 1),
                      round(100 * res.cpu_s / res.wall), ratio(system, "hf"), ratio(system, "llama-cpp"),
                      percentile(ttft, 50) if ttft else "-", percentile(ttft, 99) if ttft else "-",
-                     ratio(system, "llama-server"), round(res.extra.get("peak_rss_mb", 0)) or "-"])
+                     ratio(system, "llama-server"), round(res.extra.get("peak_rss_mb", 0)) or "-",
+                     round(floor["seconds"], 1) if floor else "-",
+                     f"{floor['seconds'] / res.wall:.0%}" if floor else "-"])
     reference = results.get("engine-fp32") or results.get("engine-bs1")
     agreements = {s: agreement(reference.extra["tokens"][:len(r.extra["tokens"])], r.extra["tokens"])
                   for s, r in results.items() if reference is not None and r is not reference and "tokens" in r.extra}
@@ -373,6 +409,7 @@ def command(
                             "warmup_ttfts_per_round": [r.extra["warmup_ttfts"] for r in rs]}
                         for s, rs in runs.items() if s in HTTP_SYSTEMS},
                "first16_token_agreement_vs_fp32_engine": agreements,
+               "matmul_floor": floors,
                "engine_steps": {s: r.extra.get("steps") for s, r in results.items() if "steps" in r.extra},
                "note": "one run, systems in sequence (interleaved over rounds) on a shared 2-core machine; "
                        "compare rows of this run only",

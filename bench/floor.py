@@ -1,0 +1,55 @@
+"""The matmul floor of a workload: how fast it could run if the CPU did nothing but its projections.
+
+A decoder's time is mostly its linear layers: per token ``2 * params`` FLOPs for the body (q/k/v,
+o, gate/up, down of every layer) and ``2 * vocab * hidden`` for the LM head of each token that
+samples. The floor is those FLOPs divided by the rate this CPU sustains on the model's own
+projection shapes in the engine's dtype, measured here, in this process, with the engine's
+threads. ``floor / wall`` says how much of the machine the engine turns into useful work;
+attention, sampling and scheduling are what it spends the rest on.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+MATMUL_ROWS = 256  # tokens per measured matmul: a batched decode step or a prefill chunk
+
+
+def projection_shapes(mc: Any) -> list[tuple[int, int]]:
+    """(in, out) of one layer's projections, fused as the engine runs them (q/k/v together, gate/up together)."""
+    qkv = (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim
+    return [(mc.hidden_size, qkv), (mc.num_heads * mc.head_dim, mc.hidden_size),
+            (mc.hidden_size, 2 * mc.intermediate_size), (mc.intermediate_size, mc.hidden_size)]
+
+
+def flops_per_token(mc: Any) -> tuple[float, float]:
+    """(body, LM head) matmul FLOPs of one token: every token runs the body, only sampling tokens the head."""
+    body = 2.0 * mc.num_layers * sum(i * o for i, o in projection_shapes(mc))
+    return body, 2.0 * mc.vocab_size * mc.hidden_size
+
+
+def workload_flops(mc: Any, prompt_tokens: int, output_tokens: int, requests: int) -> float:
+    """Each prompt token and each generated token runs the body; the head runs once per generated token
+    (the last prompt position samples the first output, each later step one more)."""
+    body, head = flops_per_token(mc)
+    return body * (prompt_tokens + output_tokens - requests) + head * output_tokens
+
+
+def matmul_gflops(mc: Any, dtype: Any, seconds: float = 1.5) -> float:
+    """Sustained GFLOP/s of ``F.linear`` on this model's projection shapes, ``MATMUL_ROWS`` tokens at a time."""
+    import torch
+    import torch.nn.functional as F
+
+    shapes = projection_shapes(mc)
+    x = {i: torch.randn(MATMUL_ROWS, i).to(dtype) for i, _ in shapes}
+    w = [(torch.randn(o, i).to(dtype) / i ** 0.5, i) for i, o in shapes]
+    flops = 2.0 * MATMUL_ROWS * sum(i * o for i, o in shapes)
+    with torch.inference_mode():
+        for weight, i in w:  # warm-up (oneDNN primitive creation)
+            F.linear(x[i], weight)
+        calls, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < seconds or calls < 3:
+            for weight, i in w:
+                F.linear(x[i], weight)
+            calls += 1
+    return flops * calls / elapsed / 1e9
