@@ -9,8 +9,9 @@ tokens/s over the wall time, TTFT of every request (send to first streamed token
 server's peak RSS (``VmHWM``), and each request's token count (checked against ``max_tokens``,
 so both servers generate exactly the same amount).
 
-Before the timed run, a fresh server gets ten one-at-a-time probe requests: the first one's
-TTFT against the tenth's says whether the server warmed up before it said it was ready.
+Before the timed run, a fresh server gets ten one-at-a-time probe requests (ten different prompts
+of one length): the first one's TTFT against the tenth's says whether the server warmed up
+before it said it was ready.
 """
 from __future__ import annotations
 
@@ -133,7 +134,7 @@ def cloud_server(model: Path, dtype: str, max_num_seqs: int, budget: int, env: d
                "--adapter", "none", "--dtype", dtype, "--db", str(Path(tmp) / "c.db"), "--api-key-file",
                str(key_file), "--images", str(Path(tmp) / "img")]
         server_env = {**env, "APIARY__CLOUD__MAX_NUM_SEQS": str(max_num_seqs),
-                      "APIARY__CLOUD__MAX_NUM_BATCHED_TOKENS": str(budget), "APIARY__CLOUD__KV_CACHE_MB": "2048",
+                      "APIARY__CLOUD__MAX_NUM_BATCHED_TOKENS": str(budget),  # its default KV cache (512 MiB)
                       "APIARY__CLOUD__MAX_WAITING": "1024", "APIARY__CLOUD__SERVED_MODEL_NAME": "bench",
                       "APIARY_LOG_LEVEL": "WARNING"}
         with _process(cmd, f"http://127.0.0.1:{port}/ready", server_env, timeout) as proc:
@@ -181,11 +182,21 @@ async def _drive(server: Server, work: Sequence[Any], concurrency: int) -> tuple
     return wall, [t for t, _ in done], [n for _, n in done]
 
 
-def warmup_ttfts(server: Server, prompt: Sequence[int], n: int = WARMUP_PROBES) -> list[float]:
-    """TTFTs of ``n`` one-at-a-time requests (the same prompt, 4 tokens each) to a server that just said ready."""
+def probe_prompts(work: Sequence[Any], n: int = WARMUP_PROBES) -> list[list[int]]:
+    """``n`` different prompts of one length (the workload's first ones, cut to the shortest of them): alike in
+    cost, and none a prefix of another, so neither server's prompt cache makes a later one cheaper."""
+    first = [list(r.prompt) for r in work[:n]]
+    # a workload of fewer than n requests: its prompts again, rotated (another first token, so no shared prefix)
+    prompts = [first[i % len(first)][i // len(first):] + first[i % len(first)][:i // len(first)] for i in range(n)]
+    length = min(len(p) for p in prompts)
+    return [p[:length] for p in prompts]
+
+
+def warmup_ttfts(server: Server, prompts: Sequence[Sequence[int]]) -> list[float]:
+    """TTFTs of one-at-a-time requests (4 tokens each) to a server that just said ready."""
     async def probes() -> list[float]:
         async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
-            return [(await _one(client, server, prompt, 4))[0] for _ in range(n)]
+            return [(await _one(client, server, prompt, 4))[0] for prompt in prompts]
 
     return asyncio.run(probes())
 
@@ -220,7 +231,7 @@ def run_server_system(system: str, model: Path, work: Sequence[Any], *, threads:
     else:
         raise ValueError(f"not an HTTP system: {system}")
     with server as s:
-        warmup = warmup_ttfts(s, work[0].prompt)
+        warmup = warmup_ttfts(s, probe_prompts(work))
         run = run_http(s, work, clients)
     return Result(system, detail, run.wall, sum(run.output_tokens), run.ttfts,
                   {"peak_rss_mb": run.peak_rss_mb, "warmup_ttfts": warmup}, run.cpu_s)
