@@ -107,3 +107,62 @@ def test_an_int8_engine_serves_batches(tiny_qwen2: Path) -> None:
 def test_bad_weights_settings_are_refused() -> None:
     with pytest.raises(EngineError, match="weights"):
         EngineConfig(model_path="x.gguf", weights="int4")
+
+
+# The engine's real-model prompts (test_model.PROMPT and more of the cloud's traffic, chat and plain text),
+# each followed by the fp32 engine's own 40 greedy tokens: teacher-forced, both engines see the same text.
+GATE_TEXTS = [
+    "<|im_start|>user\nHive 3 lost 2 kg overnight and the entrance is busy with fighting bees. What is happening?"
+    "<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>system\nAnswer as a JSON object.<|im_end|>\n<|im_start|>user\nBrood temperature 31.2 C at dawn, "
+    "battery 3.4 V, humidity 88%. Assess.<|im_end|>\n<|im_start|>assistant\n",
+    "Honey bees regulate the temperature of their brood nest between 34 and 36 degrees Celsius. In hot weather, workers",
+    "The varroa mite is an external parasite that attacks and feeds on honey bees. Beekeepers monitor mite loads by",
+    "def moving_average(values, window):\n    \"\"\"Return the moving average of a list.\"\"\"\n",
+]
+
+
+def teacher_forced_agreement(reference: LLMEngine, engine: LLMEngine) -> tuple[float, int]:
+    """Top-1 agreement of ``engine`` with ``reference`` over GATE_TEXTS + test_model.PROMPT and their
+    reference continuations; also the number of positions compared."""
+    from tests.cloud.engine.test_model import PROMPT
+
+    agree = total = 0
+    for text in [PROMPT, *GATE_TEXTS]:
+        ids = reference.tokenizer.encode(text)
+        ids += reference.generate([ids], SamplingParams(max_tokens=40, ignore_eos=True))[0].output_token_ids
+        _, ref = prompt_logits(reference, ids, use_prefix_cache=False)
+        _, ours = prompt_logits(engine, ids, use_prefix_cache=False)
+        agree += int((ours.argmax(-1) == ref.argmax(-1)).sum())
+        total += len(ids)
+    return agree / total, total
+
+
+INT8_FLOOR = 0.94  # measured 0.953-0.960 on these 428 positions (docs/engine.md "int8 weights"); bf16: 0.977
+
+
+@pytest.fixture(scope="module")
+def int8_agreement(real_engine: LLMEngine, gguf_path: Path) -> float:
+    engine = LLMEngine(EngineConfig(model_path=gguf_path, dtype="float32", weights="int8", kv_cache_bytes=64 << 20))
+    assert all(isinstance(layer.gate_up, int8.Int8Linear) for layer in engine.runner.model.layers)
+    agreement, positions = teacher_forced_agreement(real_engine, engine)
+    assert positions > 400
+    return agreement
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_real_model_int8_tracks_float32(int8_agreement: float) -> None:
+    """SmolLM2 with W8A8 projections (float32 elsewhere) picks the fp32 engine's next token on >= 94% of
+    teacher-forced positions: a regression floor under what this scheme measured."""
+    assert int8_agreement >= INT8_FLOOR, int8_agreement
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.xfail(strict=True, reason="issue 21's gate (>= 97% teacher-forced top-1 agreement) is not met: W8A8 with "
+                                       "per-token activations and SmoothQuant measured 95.3-96.0% on SmolLM2-135M "
+                                       "(alpha 0.3-0.8, asymmetric activations, down or qkv kept at float "
+                                       "activations: all < 97%); see docs/engine.md 'int8 weights'")
+def test_real_model_int8_meets_the_97_percent_gate(int8_agreement: float) -> None:
+    assert int8_agreement >= 0.97, int8_agreement
