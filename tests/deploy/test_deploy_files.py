@@ -62,6 +62,9 @@ def test_compose_has_the_fleet_and_references_only_files_that_exist():
         for env_file in service.get("env_file", []):
             assert (DEPLOY / env_file).is_file(), (name, env_file)
     assert DEPLOY / "docker" / "cloud-cpu.Dockerfile" in referenced
+    migrate = services["db-migrate"]
+    assert migrate["command"] == ["cloud", "db", "upgrade"] and migrate["image"] == services["cloud-1"]["image"]
+    assert migrate["environment"]["APIARY__CLOUD__DB"] == services["cloud-1"]["environment"]["APIARY__CLOUD__DB"]
     assert (DEPLOY / "grafana" / "apiary.json").resolve() in referenced
 
 
@@ -78,7 +81,8 @@ def test_compose_replicas_each_have_their_worker_id_port_and_grace_period():
         worker_ids.append(command[command.index("--worker-id") + 1])
         assert "--broker" in command and command[command.index("--broker") + 1] == "mqtt://mosquitto:1883"
         host_ports.append(service["ports"][0].split(":")[0])
-        assert service["environment"]["APIARY__CLOUD__DB"].startswith("/var/lib/apiary/shared/")  # one database
+        assert service["environment"]["APIARY__CLOUD__DB"].startswith("postgresql://")  # one shared database
+        assert service["depends_on"]["db-migrate"]["condition"] == "service_completed_successfully"
         grace = service["stop_grace_period"]
         assert grace.endswith("s") and float(grace[:-1]) > drain_timeout  # the drain ends before a SIGKILL
     assert worker_ids == list(clouds)  # the client id is the service's name: unique, stable across restarts
