@@ -2,8 +2,9 @@
 
 ``auto`` (the default) runs the Triton kernels on CUDA tensors and the torch references
 (``apiary.kernels.reference``) everywhere else, except decode attention on CPU, which the numba
-kernel (``apiary.kernels.cpu_attention``) serves for float32 and bfloat16 caches (``decode_backend``). ``set_backend("torch"|"triton")`` or the env var
-``APIARY_KERNELS=torch|triton`` forces one; forcing Triton on CPU tensors works only under the
+kernel (``apiary.kernels.cpu_attention``) serves for float32 and bfloat16 caches (``decode_backend``),
+and per-row int8 quantization of CPU batches (``quantize_rows``, ``apiary.kernels.cpu_quant``).
+``set_backend("torch"|"triton")`` or the env var ``APIARY_KERNELS=torch|triton`` forces one; forcing Triton on CPU tensors works only under the
 Triton interpreter (``TRITON_INTERPRET=1``), which is how the kernels are tested without a GPU.
 Every bad input raises ``apiary.kernels.errors.KernelError``. Checks look at shapes, dtypes and devices
 only, never at tensor values, so they cost no device synchronisation.
@@ -24,6 +25,7 @@ from apiary.kernels.errors import KernelError
 BACKENDS = ("auto", "torch", "triton")
 DECODE_BACKENDS = ("auto", "torch", "triton", "numba")  # paged_decode_attention's per-call ``backend``
 NUMBA_DTYPES = (torch.float32, torch.bfloat16)  # the caches apiary.kernels.cpu_attention serves
+NUMBA_QUANT_MIN_ROWS = 8  # below this numba's call overhead (~20 us) outweighs its single pass (measured)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _backend: str | None = None  # None: follow $APIARY_KERNELS
@@ -274,3 +276,19 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     if resolve_backend(device) == "triton" and q.shape[0] > 0:
         return _triton("rotary", device).apply_rotary(q, k, positions, cos_sin_cache)
     return reference.apply_rotary(q, k, positions, cos_sin_cache)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (per-token) symmetric int8 of ``x[M, K]``: ``(q int8, scale [M, 1] float32)``, ``x ~= q * scale``.
+
+    On CPU, float32/bfloat16 inputs of ``NUMBA_QUANT_MIN_ROWS`` rows or more go to the numba kernel
+    (``apiary.kernels.cpu_quant``: one call instead of five torch ops, ~2x faster, identical results);
+    everything else to the torch reference, which the ``torch`` backend also forces.
+    """
+    _check_tensor("x", x, 2, float_=True)
+    if (get_backend() == "auto" and x.device.type == "cpu" and x.dtype in NUMBA_DTYPES
+            and x.shape[0] >= NUMBA_QUANT_MIN_ROWS and numba_available()):
+        from apiary.kernels import cpu_quant  # imports numba: only once a CPU quantization runs
+
+        return cpu_quant.quantize_rows(x)
+    return reference.quantize_rows(x)

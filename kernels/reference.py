@@ -271,3 +271,10 @@ def rotary_cos_sin_cache(max_positions: int, head_dim: int, base: float = 10000.
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
     freqs = torch.arange(max_positions, dtype=torch.float64, device=device)[:, None] * inv_freq
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 of ``x [M, K]``: ``(q int8, scale [M, 1] float32)`` with
+    ``q = round(x / scale)``, ``scale = max(|x|, 1e-8) / 127`` per row (round half to even)."""
+    scale = torch.linalg.vector_norm(x.float(), float("inf"), dim=-1, keepdim=True).clamp_(min=1e-8).div_(127.0)
+    return torch.div(x, scale).round_().to(torch.int8), scale

@@ -27,13 +27,17 @@ weight before q/k/v and before gate/up, into the up projection's rows before dow
 mix of v rows; channels sharing a KV head share one factor). The LM head stays in the engine's
 dtype: it is the embedding (tied), and every logit comes straight from it.
 
-Where it pays: on a host with AMX bf16, the prepacked bf16 GEMM is already within ~1.4x of
-the int8 one, and the per-token quantization (five torch ops per projection) costs more than
-that difference: ``apiary bench engine`` served 128.6 output tok/s with int8 against 161.6 in
-bf16 (0.80x), and 126.2 (int8, float32 activations) against 109.8 in float32 (1.15x), the
-comparison for CPUs without native bf16. Accuracy: teacher-forced top-1 agreement with the fp32
-engine 95.3-96.0%, under the issue's 97% gate (bf16: 97.7%). So it is selectable, not the default
-(docs/engine.md "int8 weights").
+Activation quantization runs in one numba pass per call (``apiary.kernels.ops.quantize_rows``,
+identical results to the five torch ops it replaced and ~2x faster: 41 vs 81 us at 64 x 576).
+
+Where it pays: on a host with AMX bf16, the prepacked bf16 GEMM is already within ~1.4x of the
+int8 one, and quantizing activations eats most of the difference. ``apiary bench engine`` (32
+requests, 2 threads; docs/benchmarks.md): with the torch quantizer int8 served 128.6 output tok/s
+against 161.6 in bf16 (0.80x) and, with float32 activations, 126.2 against 109.8 in float32
+(1.15x); with the numba quantizer, on the then busier machine, 0.91-1.02x bf16 and 1.51-1.64x
+float32 (the comparison for CPUs without native bf16). Accuracy: teacher-forced top-1 agreement
+with the fp32 engine 95.3-96.0%, under the issue's 97% gate (bf16: 97.7%). So it is selectable,
+not the default (docs/engine.md "int8 weights").
 """
 from __future__ import annotations
 
@@ -46,6 +50,7 @@ import numpy as np
 import torch
 
 from apiary.cloud.engine.errors import EngineError
+from apiary.kernels import ops
 
 if TYPE_CHECKING:
     from apiary.cloud.engine.model import LlamaModel
@@ -79,9 +84,9 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row (per-token) int8 of ``x [M, K]``: ``(q int8, scale [M, 1] float32)``."""
-    scale = torch.linalg.vector_norm(x.float(), float("inf"), dim=-1, keepdim=True).clamp_(min=MIN_SCALE).div_(127.0)
-    return torch.div(x, scale).round_().to(torch.int8), scale
+    """Symmetric per-row (per-token) int8 of ``x [M, K]``: ``(q int8, scale [M, 1] float32)``
+    (``apiary.kernels.ops.quantize_rows``: numba on CPU, the torch reference elsewhere)."""
+    return ops.quantize_rows(x)
 
 
 def smoothing(act_absmax: torch.Tensor, weight: torch.Tensor, alpha: float = DEFAULT_ALPHA) -> torch.Tensor:
