@@ -95,7 +95,12 @@ def _process(cmd: list[str], ready_url: str, env: dict[str, str] | None, timeout
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp)
             try:
                 _wait_ready(proc, ready_url, log, timeout)
-                yield proc
+                try:
+                    yield proc
+                except (httpx.HTTPError, RuntimeError) as e:
+                    state = "running" if proc.poll() is None else f"exited with {proc.returncode}"
+                    raise RuntimeError(f"{type(e).__name__}: {e}; the server is {state}, its log ends: "
+                                       f"{log.read_text(errors='replace')[-3000:]}") from e
             finally:
                 proc.terminate()
                 try:
@@ -146,6 +151,17 @@ async def _one(client: httpx.AsyncClient, server: Server, prompt: Sequence[int],
     body = {"model": server.model, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
+    for attempt in range(3):  # llama-server at times closed a connection unanswered (2 of 8 runs of 64)
+        try:
+            return await _stream(client, server, body, start, len(prompt))
+        except httpx.RemoteProtocolError:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+async def _stream(client: httpx.AsyncClient, server: Server, body: dict[str, Any], start: float,
+                  prompt_len: int) -> tuple[float, int]:
     ttft, chunks, usage = None, 0, None
     async with client.stream("POST", f"{server.url}/completions", json=body, headers=server.headers) as r:
         if r.status_code != 200:
@@ -163,12 +179,14 @@ async def _one(client: httpx.AsyncClient, server: Server, prompt: Sequence[int],
                         ttft = time.perf_counter() - start
     tokens = int(usage["completion_tokens"]) if usage and usage.get("completion_tokens") else chunks
     if ttft is None:
-        raise RuntimeError(f"{server.url} streamed no text for a {len(prompt)}-token prompt")
+        raise RuntimeError(f"{server.url} streamed no text for a {prompt_len}-token prompt")
     return ttft, tokens
 
 
 async def _drive(server: Server, work: Sequence[Any], concurrency: int) -> tuple[float, list[float], list[int]]:
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    # A new connection per request: llama-server (cpp-httplib) closes an idle keep-alive connection after 5 s,
+    # and a request a client sends on it just then fails with "Server disconnected" (seen mid-run).
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         gate = asyncio.Semaphore(concurrency)
 
