@@ -84,8 +84,8 @@ def test_lora_trains_resumes_and_merges_into_what_the_engine_serves(tiny: Path, 
     ids = engine.tokenizer.encode("the hive hums at 270 Hz")
     from tests.cloud.engine.conftest import prompt_logits
 
-    _, served = prompt_logits(engine, ids)
-    _, base = prompt_logits(plain, ids)
+    _, served = prompt_logits(engine, ids, use_prefix_cache=False)
+    _, base = prompt_logits(plain, ids, use_prefix_cache=False)
     with torch.no_grad():
         expected = model(torch.tensor([ids]))[0]
     assert torch.allclose(served, expected, atol=2e-4)
