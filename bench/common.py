@@ -14,6 +14,7 @@ from typing import Any, Iterable
 
 import numpy as np
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 RESULTS_DIR = Path("results") / "bench"
@@ -52,7 +53,11 @@ def report(name: str, title: str, columns: list[str], rows: list[list[Any]], ext
         table.add_column(c)
     for r in rows:
         table.add_row(*[f"{v:.3g}" if isinstance(v, float) else str(v) for v in r])
-    Console().print(table)
+    # As wide as the table needs (bench engine has 13 columns): rich squeezes cells to "…" or to nothing
+    # at its default 80 columns when stdout is a pipe or a narrow terminal.
+    console = Console()
+    console.width = max(console.width, Measurement.get(console, console.options.update_width(10_000), table).maximum)
+    console.print(table)
     out = out or RESULTS_DIR / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {"bench": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine,
