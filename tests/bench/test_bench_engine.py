@@ -57,6 +57,10 @@ def test_a_tiny_run_with_background_reports_contention_cpu_use_and_features(tmp_
     assert record["machine"]["cpu_features"] == cpu.relevant(cpu.host_flags())
     assert record["engine_threads"].startswith("1 threads (affinity")  # --threads 1 reached the engine
     assert "features:" in result.output
+    floor = record["matmul_floor"]["engine"]  # bench.floor: its projection FLOPs at this CPU's float32 rate
+    assert record["columns"][-2:] == ["matmul floor s", "% of floor"]
+    assert floor["dtype"] == "float32" and floor["gflops"] > 0 and floor["seconds"] > 0
+    assert record["rows"][0][-2] == round(floor["seconds"], 1) and record["rows"][0][-1].endswith("%")
 
 
 @pytest.mark.slow
