@@ -205,6 +205,8 @@ class LLMEngine:
                 seq.metrics.first_scheduled_time = now
                 self.stats.record_admission(seq)
         plan = batch.spec_plan
+        if self.runner.governor is not None:
+            self.runner.governor.tick()  # threads for the cores others leave free, before this step's ops
         started = time.perf_counter()
         try:
             sampled, logits, spec_logits = self.runner.execute(batch, plan.seqs if plan else [],

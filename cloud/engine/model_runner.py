@@ -45,10 +45,17 @@ class ModelRunner:
                 raise EngineError("device 'cuda' requested but CUDA is not available")
         except RuntimeError as e:
             raise EngineError(f"bad device {config.device!r}: {e}") from e
+        self.governor: threads.ThreadGovernor | None = None
+        self.throttle: threads.SpinThrottle | None = None
         if self.device.type == "cpu":
             host_memory.keep_freed_memory()
             # The configured count, else torch's current one capped at the CPUs available.
-            threads.apply(config.num_threads)
+            n = threads.apply(config.num_threads)
+            if threads.STATE.waits == "adaptive" and n > 1:
+                # Spinning waits while the CPU is the engine's, sleeping ones while others use a core.
+                self.throttle = threads.SpinThrottle(n)
+                self.governor = threads.ThreadGovernor(
+                    n, lambda free: self.throttle.on() if free < n else self.throttle.off())
         if config.weights == "int8" and self.device.type != "cpu":
             raise EngineError("weights='int8' is a CPU path (oneDNN int8 GEMM); on CUDA use dtype bfloat16")
         self.dtype = resolve_dtype(config, self.device)
