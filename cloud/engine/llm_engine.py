@@ -206,7 +206,7 @@ class LLMEngine:
                 self.stats.record_admission(seq)
         plan = batch.spec_plan
         if self.runner.governor is not None:
-            self.runner.governor.tick()  # threads for the cores others leave free, before this step's ops
+            self.runner.governor.tick()  # adaptive waits: spin or sleep by the cores others use, before this step
         started = time.perf_counter()
         try:
             sampled, logits, spec_logits = self.runner.execute(batch, plan.seqs if plan else [],

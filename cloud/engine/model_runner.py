@@ -53,9 +53,8 @@ class ModelRunner:
             n = threads.apply(config.num_threads)
             if threads.STATE.waits == "adaptive" and n > 1:
                 # Spinning waits while the CPU is the engine's, sleeping ones while others use a core.
-                self.throttle = threads.SpinThrottle(n)
-                self.governor = threads.ThreadGovernor(
-                    n, lambda free: self.throttle.on() if free < n else self.throttle.off())
+                throttle = self.throttle = threads.SpinThrottle(n)
+                self.governor = threads.ThreadGovernor(n, lambda free: throttle.on() if free < n else throttle.off())
         if config.weights == "int8" and self.device.type != "cpu":
             raise EngineError("weights='int8' is a CPU path (oneDNN int8 GEMM); on CUDA use dtype bfloat16")
         self.dtype = resolve_dtype(config, self.device)
