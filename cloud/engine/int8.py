@@ -7,8 +7,14 @@ native bf16 gets a path past its float32 floor, as llama.cpp's quantized dot pro
 
 The GEMM is oneDNN's int8 linear through torch (``torch.ops.onednn.qlinear_pointwise`` on a weight
 prepacked once by ``qlinear_prepack``: what inductor's x86 int8 lowering calls, so it is
-maintained with torch), with ``torch._int_mm`` (int8 x int8 -> int32) as the fallback where
-that op is missing or disagrees on a probe. Measured on the 2-core Sapphire Rapids dev machine
+maintained with torch), fed u8 activations (``q + 128`` with zero point 128: for signed int8 ones
+oneDNN ran its reference kernel on a Zen 4 host, 243 ms where ``brg_matmul:avx512_core_vnni``
+takes 0.08), with ``torch._int_mm`` (int8 x int8 -> int32) as the fallback. Which one runs is
+decided once per process by ``gemm_choice``, a probe that times each against float32 and checks it
+is exact: hosts differ from day to day, and without VNNI (the Zen 4 host with oneDNN held to AVX2,
+``ONEDNN_MAX_CPU_ISA=AVX2``) both came out inexact (u8 x s8 pairs through ``vpmaddubsw`` saturate
+int16) and oneDNN's bf16 output took its reference kernel, so int8 weights are refused there with
+the probe's findings instead of computing wrong numbers. Measured on the 2-core Sapphire Rapids dev machine
 (AVX-512 VNNI, AMX), one thread, this model's four projections summed, GEMM alone (ms):
 rows 1: oneDNN 0.38, ``_int_mm`` 0.65, fp32 0.62, bf16 prepacked 0.46; rows 64: 0.53, 0.64,
 5.9, 0.76; rows 1,024: 10.7, 11.2, 70.7, 8.6. ``torch.ops.quantized.linear_dynamic``
@@ -42,12 +48,14 @@ not the default (docs/engine.md "int8 weights").
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from apiary.cloud.engine.errors import EngineError
 from apiary.kernels import ops
@@ -104,26 +112,113 @@ def smoothing(act_absmax: torch.Tensor, weight: torch.Tensor, alpha: float = DEF
 # ---------------------------------------------------------------- the GEMM
 
 
+# A probe GEMM big enough that a reference kernel shows (oneDNN's ``ref_int8`` took 243 ms for
+# 64 x 256 x 512, its JIT kernel 0.08 ms) and small enough to cost milliseconds where the kernel is
+# real; "fast" is within PROBE_SLOWDOWN of float32's F.linear on the same shape.
+PROBE_SHAPE = (64, 256, 512)  # rows, in, out
+PROBE_SLOWDOWN = 4.0  # measured: JIT int8 GEMMs 0.2-1.1x F.linear at this size; reference kernels > 100x
+ACTIVATION_ZERO_POINT = 128  # oneDNN's fast x86 kernels take u8 activations: q + 128, a zero point it subtracts
+
+
+@dataclass(frozen=True, slots=True)
+class GemmChoice:
+    """Which int8 GEMM this host runs fast, found once by probing: these machines differ from day to day.
+
+    oneDNN picks its kernel per problem: for signed int8 activations it ran its reference kernel on an
+    AVX-512 VNNI host (u8 activations there: ``brg_matmul:avx512_core_vnni``, 3,000x faster), and on an
+    AVX2 host without VNNI only its reference kernel wrote bf16. ``backend`` is None where nothing
+    beats a reference kernel.
+    """
+
+    backend: str | None  # "onednn", "int_mm" or None
+    onednn_out: tuple[torch.dtype, ...]  # oneDNN's output dtypes with a fast kernel
+    reason: str  # what the probe measured, for the log and for tests that need a fast int8 GEMM
+
+
+def _best_ms(fn, repeats: int = 3) -> float:
+    fn()  # the first call builds oneDNN's primitive
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return min(times)
+
+
 @functools.cache
-def _onednn_usable() -> bool:
-    """oneDNN's int8 linear is present and exact on a probe (integer products, so it must be)."""
-    ops = torch.ops.onednn
-    if not (torch.backends.mkldnn.is_available() and hasattr(ops, "qlinear_prepack")
-            and hasattr(ops, "qlinear_pointwise")):
-        return False
-    try:
-        g = torch.Generator().manual_seed(0)
-        w = torch.randint(-127, 128, (24, 40), generator=g, dtype=torch.int8)
-        x = torch.randint(-127, 128, (5, 40), generator=g, dtype=torch.int8)
-        layer = Int8Linear(w, torch.ones(24), None, _prepack(w))
-        got = layer._gemm(x, torch.float32)
-    except RuntimeError:
-        return False
-    return torch.equal(got, (x.long() @ w.long().t()).float())
+def gemm_choice() -> GemmChoice:
+    """Probe oneDNN's int8 linear (per output dtype), then ``torch._int_mm``: exact, and fast next to float32."""
+    rows, k, n = PROBE_SHAPE
+    g = torch.Generator().manual_seed(0)
+    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    x = torch.randint(-127, 128, (rows, k), generator=g, dtype=torch.int8)
+    exact = (x.long() @ w.long().t()).float()
+    wf, xf = w.float(), x.float()
+    float_ms = _best_ms(lambda: F.linear(xf, wf))
+    seen = [f"float32 F.linear {float_ms:.2f} ms at {rows}x{k}x{n}"]
+
+    def fast(name: str, fn) -> bool:
+        try:
+            got = fn()
+            # integer products: exact in float32; bf16 output rounds them to its 8-bit mantissa
+            ok = torch.equal(got, exact) if got.dtype == torch.float32 else torch.allclose(got.float(), exact, rtol=1e-2)
+            if not ok:  # e.g. int16 saturation in a kernel without VNNI
+                seen.append(f"{name} inexact")
+                return False
+            ms = _best_ms(fn)
+        except RuntimeError as e:  # a build or CPU the op refuses
+            seen.append(f"{name} failed ({str(e).splitlines()[0][:80]})")
+            return False
+        seen.append(f"{name} {ms:.2f} ms")
+        return ms <= PROBE_SLOWDOWN * float_ms
+
+    onednn_out: list[torch.dtype] = []
+    onednn = torch.ops.onednn
+    if torch.backends.mkldnn.is_available() and hasattr(onednn, "qlinear_prepack") and hasattr(onednn, "qlinear_pointwise"):
+        try:
+            packed, ones, xu = _prepack(w), torch.ones(n), _as_u8(x.clone())
+        except RuntimeError as e:
+            seen.append(f"oneDNN prepack failed ({str(e).splitlines()[0][:80]})")
+        else:
+            for dtype in (torch.float32, torch.bfloat16):
+                if fast(f"oneDNN -> {str(dtype).removeprefix('torch.')}",
+                        lambda d=dtype: _onednn_linear(xu, packed, ones, d)):
+                    onednn_out.append(dtype)
+    else:
+        seen.append("no oneDNN int8 linear in this torch")
+    if torch.float32 in onednn_out:
+        backend: str | None = "onednn"
+    elif fast("torch._int_mm", lambda: torch._int_mm(x, w.t()).float()):
+        backend = "int_mm"
+    else:
+        backend = None
+    return GemmChoice(backend, tuple(onednn_out), "; ".join(seen))
+
+
+def require_fast_gemm() -> str:
+    """The probed backend, or a clear refusal where int8 would run at reference-kernel speed."""
+    choice = gemm_choice()
+    if choice.backend is None:
+        raise EngineError("int8 weights need a fast int8 GEMM and this CPU has none (oneDNN's and torch._int_mm's "
+                          f"kernels here are far slower than float32: {choice.reason}); use weights='dtype'")
+    return choice.backend
 
 
 def _prepack(qweight: torch.Tensor) -> torch.Tensor:
     return torch.ops.onednn.qlinear_prepack(qweight, None)
+
+
+def _as_u8(q: torch.Tensor) -> torch.Tensor:
+    """int8 ``q`` as u8 ``q + 128``, in place (flipping the sign bit is adding 128 modulo 256)."""
+    u = q.view(torch.uint8)
+    return u.bitwise_xor_(ACTIVATION_ZERO_POINT)
+
+
+def _onednn_linear(qu: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """oneDNN's int8 linear: u8 ``qu`` at scale 1 and zero point 128, the prepacked weight with per-channel
+    ``scale``, no bias."""
+    return torch.ops.onednn.qlinear_pointwise.tensor(
+        qu, _ONE, _ZP, packed, scale, _zero_points(scale.shape[0]), None, 1.0, 0, out_dtype, "none", [], "")
 
 
 @dataclass(slots=True)
@@ -139,19 +234,21 @@ class Int8Linear:
     def of(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
         if weight.device.type != "cpu":
             raise EngineError("int8 weights are a CPU path (oneDNN / torch._int_mm); use dtype bfloat16 on CUDA")
+        backend = require_fast_gemm()
         q, scale = quantize_weight(weight)
-        return cls(q, scale, bias, _prepack(q) if _onednn_usable() else None)
+        return cls(q, scale, bias, _prepack(q) if backend == "onednn" else None)
 
     @property
     def backend(self) -> str:
         return "onednn" if self.packed is not None else "int_mm"
 
     def _gemm(self, q: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        """``q @ qweight.T`` times the weight scales, in ``out_dtype``."""
+        """``q @ qweight.T`` times the weight scales, in ``out_dtype`` (oneDNN's path overwrites ``q``)."""
         if self.packed is not None:
-            return torch.ops.onednn.qlinear_pointwise.tensor(
-                q, _ONE, _ZERO, self.packed, self.scale, _zero_points(self.scale.shape[0]), None, 1.0, 0,
-                out_dtype, "none", [], "")
+            # where oneDNN writes bf16 only with its reference kernel (AVX2 without VNNI), go through float32
+            direct = out_dtype == torch.float32 or out_dtype in gemm_choice().onednn_out
+            y = _onednn_linear(_as_u8(q), self.packed, self.scale, out_dtype if direct else torch.float32)
+            return y if direct else y.to(out_dtype)
         return torch._int_mm(q, self.qweight.t()).to(out_dtype).mul_(self.scale.to(out_dtype))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -171,7 +268,7 @@ class Int8Linear:
         return [self.qweight, self.scale] + ([] if self.bias is None else [self.bias])
 
 
-_ONE, _ZERO = torch.tensor(1.0), torch.tensor(0, dtype=torch.long)
+_ONE, _ZP = torch.tensor(1.0), torch.tensor(ACTIVATION_ZERO_POINT, dtype=torch.long)
 
 
 @functools.cache

@@ -85,13 +85,14 @@ class ModelRunner:
         from apiary.cloud.engine.tokenizer import load_tokenizer
 
         start = time.perf_counter()
+        int8.require_fast_gemm()  # before seconds of calibration
         tokenizer = load_tokenizer(Path(config.model_path).expanduser(), checkpoint.metadata or None)
         prompts = [tokenizer.encode(p) for p in int8.CALIBRATION_PROMPTS]
         stats = int8.calibrate(self.model, prompts, config.block_size)
         int8.quantize_model(self.model, stats)
-        log.info("int8 weights (W8A8, SmoothQuant alpha %.2f over %d calibration tokens, %s GEMM) in %.1f s",
+        log.info("int8 weights (W8A8, SmoothQuant alpha %.2f over %d calibration tokens, %s GEMM; probe: %s) in %.1f s",
                  int8.DEFAULT_ALPHA, sum(map(len, prompts)), self.model.layers[0].qkv.backend,
-                 time.perf_counter() - start)
+                 int8.gemm_choice().reason, time.perf_counter() - start)
 
     def _default_kv_bytes(self) -> int:
         if self.device.type == "cuda":

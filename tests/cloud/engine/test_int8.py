@@ -1,6 +1,7 @@
 """W8A8 int8 weights (cloud.engine.int8): the quantizers, the GEMM, SmoothQuant's folding, and the real-model gate."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -32,34 +33,91 @@ def test_activations_quantize_per_token() -> None:
     assert ((q.float() * scale - x).abs() <= scale / 2 + 1e-6).all()
 
 
+def backends(layer: int8.Int8Linear) -> list[int8.Int8Linear]:
+    """``layer`` on every int8 GEMM this torch has, fast on this host or not: both must be exact."""
+    plain = int8.Int8Linear(layer.qweight, layer.scale, layer.bias, None)  # torch._int_mm
+    if not hasattr(torch.ops.onednn, "qlinear_pointwise"):
+        return [plain]
+    return [plain, int8.Int8Linear(layer.qweight, layer.scale, layer.bias, int8._prepack(layer.qweight))]
+
+
 @pytest.mark.parametrize("rows", [1, 7, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_linear_computes_the_quantized_product(rows: int, dtype: torch.dtype) -> None:
-    """Both GEMMs (oneDNN where usable, torch._int_mm) compute q(x) @ q(W).T exactly up to float rounding,
-    and the result stays close to the float layer."""
+    """Both GEMMs (oneDNN with u8 activations, torch._int_mm) compute q(x) @ q(W).T exactly up to float
+    rounding, and the result stays close to the float layer."""
     g = torch.Generator().manual_seed(rows)
     w, bias = torch.randn(96, 80, generator=g) * 0.05, torch.randn(96, generator=g)
     x = torch.randn(rows, 80, generator=g).to(dtype)
-    layer = int8.Int8Linear.of(w, bias.to(dtype))
-    plain = int8.Int8Linear(layer.qweight, layer.scale, layer.bias, None)  # torch._int_mm
-    q, s = int8.quantize_rows(x)
-    exact = (q.float() * s) @ layer.dequantized().t() + bias.to(dtype).float()
+    before = x.clone()
+    q, scale = int8.quantize_weight(w)
+    layer = int8.Int8Linear(q, scale, bias.to(dtype))
+    xq, s = int8.quantize_rows(x)
+    exact = (xq.float() * s) @ layer.dequantized().t() + bias.to(dtype).float()
     tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.02}
-    for lin in (layer, plain):
+    for lin in backends(layer):
         with torch.inference_mode():
             y = lin(x)
         assert y.dtype == dtype and y.shape == (rows, 96)
         torch.testing.assert_close(y.float(), exact, **tol)
-    ref = F.linear(x.float(), w, bias)
-    assert ((layer(x).float() - ref).norm() / ref.norm()).item() < 0.03
-    assert layer(x[:0]).shape == (0, 96)
-    assert layer(x.reshape(1, rows, 80)).shape == (1, rows, 96)
+        ref = F.linear(x.float(), w, bias)
+        assert ((y.float() - ref).norm() / ref.norm()).item() < 0.03
+        assert lin(x[:0]).shape == (0, 96)
+        assert lin(x.reshape(1, rows, 80)).shape == (1, rows, 96)
+    assert torch.equal(x, before)  # oneDNN's u8 activations overwrite the quantized copy, never the input
 
 
-def test_the_onednn_gemm_is_used_where_torch_has_it() -> None:
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")):
+def test_onednn_writes_bf16_through_float32_where_its_bf16_kernel_is_slow(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not hasattr(torch.ops.onednn, "qlinear_pointwise"):
         pytest.skip("this torch build has no oneDNN int8 linear")
-    assert int8.Int8Linear.of(torch.randn(16, 32)).backend == "onednn"
+    w = torch.randn(32, 48) * 0.1
+    q, scale = int8.quantize_weight(w)
+    layer = int8.Int8Linear(q, scale, None, int8._prepack(q))
+    x = torch.randn(5, 48).bfloat16()
+    direct = layer(x)
+    monkeypatch.setattr(int8, "gemm_choice", lambda: int8.GemmChoice("onednn", (torch.float32,), "scripted"))
+    via_float = layer(x)
+    assert via_float.dtype == torch.bfloat16
+    torch.testing.assert_close(via_float, direct, atol=0.02, rtol=0.02)
+
+
+def test_the_probe_picks_an_exact_gemm_that_keeps_up_with_float32() -> None:
+    choice = int8.gemm_choice()
+    assert "float32 F.linear" in choice.reason
+    assert choice.backend in ("onednn", "int_mm", None)
+    assert (choice.backend == "onednn") == (torch.float32 in choice.onednn_out)
+    if choice.backend is not None:
+        assert int8.Int8Linear.of(torch.randn(16, 32)).backend == choice.backend
+
+
+def test_the_probe_passes_over_an_inexact_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Saturating int16 pair sums (u8 x s8 without VNNI) give wrong products: such a kernel is never chosen."""
+    real_linear = int8._onednn_linear
+    monkeypatch.setattr(int8, "_onednn_linear", lambda *args: real_linear(*args).clamp(-30000, 30000))
+    choice = int8.gemm_choice.__wrapped__()
+    assert choice.backend != "onednn" and "oneDNN -> float32 inexact" in choice.reason
+
+
+def test_the_probe_passes_over_a_reference_speed_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel that is exact but far slower than float32 (oneDNN's reference int8 matmul: 243 ms where its
+    JIT kernel takes 0.08) is not chosen; with nothing fast left, int8 weights are refused, saying why."""
+    real_linear, real_int_mm = int8._onednn_linear, torch._int_mm
+
+    def slow(fn):
+        def run(*args, **kwargs):
+            time.sleep(0.05)
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(int8, "_onednn_linear", slow(real_linear))
+    choice = int8.gemm_choice.__wrapped__()
+    assert choice.backend != "onednn" and choice.onednn_out == ()
+    monkeypatch.setattr(torch, "_int_mm", slow(real_int_mm))
+    choice = int8.gemm_choice.__wrapped__()
+    assert choice.backend is None and "torch._int_mm" in choice.reason
+    monkeypatch.setattr(int8, "gemm_choice", lambda: choice)
+    with pytest.raises(EngineError, match="fast int8 GEMM"):
+        int8.Int8Linear.of(torch.randn(16, 32))
 
 
 def test_smoothing_moves_outliers_and_is_bounded() -> None:
@@ -92,7 +150,14 @@ def test_smoothquant_folding_leaves_the_float_model_unchanged(name: str, request
     torch.testing.assert_close(after, before, atol=2e-4, rtol=1e-4)
 
 
+def needs_fast_int8() -> None:
+    choice = int8.gemm_choice()
+    if choice.backend is None:
+        pytest.skip(f"no fast int8 GEMM on this host ({choice.reason})")
+
+
 def test_an_int8_engine_serves_batches(tiny_qwen2: Path) -> None:
+    needs_fast_int8()
     engine = LLMEngine(EngineConfig(model_path=tiny_qwen2, dtype="float32", weights="int8", kv_cache_bytes=4 << 20,
                                     block_size=8))
     assert all(isinstance(layer.qkv, int8.Int8Linear) and isinstance(layer.down, int8.Int8Linear)
@@ -102,6 +167,14 @@ def test_an_int8_engine_serves_batches(tiny_qwen2: Path) -> None:
     outs = engine.generate(["Queen present", "Sensor 7 reports humidity 62% and a weight gain"],
                            SamplingParams(max_tokens=6, ignore_eos=True))
     assert [len(o.output_token_ids) for o in outs] == [6, 6]
+
+
+def test_an_int8_engine_is_refused_before_calibrating_where_int8_would_crawl(
+        tiny_qwen2: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(int8, "gemm_choice", lambda: int8.GemmChoice(None, (), "oneDNN -> float32 243.28 ms"))
+    monkeypatch.setattr(int8, "calibrate", lambda *a, **k: pytest.fail("calibrated anyway"))
+    with pytest.raises(EngineError, match="fast int8 GEMM"):
+        LLMEngine(EngineConfig(model_path=tiny_qwen2, dtype="float32", weights="int8", kv_cache_bytes=4 << 20))
 
 
 def test_bad_weights_settings_are_refused() -> None:
@@ -143,6 +216,7 @@ INT8_FLOOR = 0.94  # measured 0.953-0.960 on these 428 positions (docs/engine.md
 
 @pytest.fixture(scope="module")
 def int8_agreement(real_engine: LLMEngine, gguf_path: Path) -> float:
+    needs_fast_int8()
     engine = LLMEngine(EngineConfig(model_path=gguf_path, dtype="float32", weights="int8", kv_cache_bytes=64 << 20))
     assert all(isinstance(layer.gate_up, int8.Int8Linear) for layer in engine.runner.model.layers)
     agreement, positions = teacher_forced_agreement(real_engine, engine)
