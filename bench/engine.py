@@ -277,6 +277,16 @@ def command(
     unknown = set(chosen) - set(SYSTEMS)
     if unknown:
         raise typer.BadParameter(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
+    int8_systems = [s for s in chosen if s.startswith("engine-int8")]
+    if int8_systems:
+        from apiary.cloud.engine import int8
+
+        choice = int8.gemm_choice()
+        if choice.backend is None:  # the engine refuses int8 weights here: say so, run the rest
+            typer.echo(f"skipping {', '.join(int8_systems)}: no fast int8 GEMM on this CPU ({choice.reason})")
+            chosen = [s for s in chosen if s not in int8_systems]
+            if not chosen:
+                raise typer.BadParameter("no system left to run")
     if quick:
         requests, prompt_tokens, output_tokens = 12, "32-128", "16-48"
     p_lo, p_hi = (int(x) for x in prompt_tokens.split("-"))

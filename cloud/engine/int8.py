@@ -83,11 +83,12 @@ CALIBRATION_PROMPTS = (
 # ---------------------------------------------------------------- quantization
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel int8: ``(q [N, K] int8, scale [N] float32)``, ``weight ~= q * scale[:, None]``."""
+def quantize_weight(weight: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: ``(q [N, K] int8, scale [N] float32)``, ``weight ~= q * scale[:, None]``,
+    ``|q| <= qmax`` (63: 7-bit weights, for int8 kernels without VNNI)."""
     w = weight.float()
-    scale = w.abs().amax(dim=1).clamp(min=MIN_SCALE) / 127.0
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    scale = w.abs().amax(dim=1).clamp(min=MIN_SCALE) / qmax
+    q = torch.round(w / scale[:, None]).clamp(-qmax, qmax).to(torch.int8)
     return q.contiguous(), scale.contiguous()
 
 
@@ -120,19 +121,24 @@ PROBE_SLOWDOWN = 4.0  # measured: JIT int8 GEMMs 0.2-1.1x F.linear at this size;
 ACTIVATION_ZERO_POINT = 128  # oneDNN's fast x86 kernels take u8 activations: q + 128, a zero point it subtracts
 
 
+WEIGHT_QMAX = (127, 63)  # tried in order: 8-bit weights, then 7-bit ones (u8 x s7 pairs fit int16)
+
+
 @dataclass(frozen=True, slots=True)
 class GemmChoice:
     """Which int8 GEMM this host runs fast, found once by probing: these machines differ from day to day.
 
     oneDNN picks its kernel per problem: for signed int8 activations it ran its reference kernel on an
-    AVX-512 VNNI host (u8 activations there: ``brg_matmul:avx512_core_vnni``, 3,000x faster), and on an
-    AVX2 host without VNNI only its reference kernel wrote bf16. ``backend`` is None where nothing
-    beats a reference kernel.
+    AVX-512 VNNI host (u8 activations there: ``brg_matmul:avx512_core_vnni``, 3,000x faster); held to
+    AVX2 (no VNNI) its u8 x s8 products saturate int16 pair sums unless weights keep to 7 bits
+    (fbgemm's ``reduce_range``), and only its reference kernel wrote bf16. ``backend`` is None where
+    nothing exact beats a reference kernel.
     """
 
     backend: str | None  # "onednn", "int_mm" or None
     onednn_out: tuple[torch.dtype, ...]  # oneDNN's output dtypes with a fast kernel
     reason: str  # what the probe measured, for the log and for tests that need a fast int8 GEMM
+    weight_qmax: int = 127  # weights quantize to [-weight_qmax, weight_qmax]
 
 
 def _best_ms(fn, repeats: int = 3) -> float:
@@ -147,52 +153,55 @@ def _best_ms(fn, repeats: int = 3) -> float:
 
 @functools.cache
 def gemm_choice() -> GemmChoice:
-    """Probe oneDNN's int8 linear (per output dtype), then ``torch._int_mm``: exact, and fast next to float32."""
+    """Probe oneDNN's int8 linear (per output dtype), then ``torch._int_mm``, with 8-bit weights and then
+    7-bit ones: exact, and fast next to float32."""
     rows, k, n = PROBE_SHAPE
     g = torch.Generator().manual_seed(0)
-    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     x = torch.randint(-127, 128, (rows, k), generator=g, dtype=torch.int8)
-    exact = (x.long() @ w.long().t()).float()
-    wf, xf = w.float(), x.float()
-    float_ms = _best_ms(lambda: F.linear(xf, wf))
+    xf = x.float()
+    float_ms = _best_ms(lambda: F.linear(xf, torch.randn(n, k)))
     seen = [f"float32 F.linear {float_ms:.2f} ms at {rows}x{k}x{n}"]
-
-    def fast(name: str, fn) -> bool:
-        try:
-            got = fn()
-            # integer products: exact in float32; bf16 output rounds them to its 8-bit mantissa
-            ok = torch.equal(got, exact) if got.dtype == torch.float32 else torch.allclose(got.float(), exact, rtol=1e-2)
-            if not ok:  # e.g. int16 saturation in a kernel without VNNI
-                seen.append(f"{name} inexact")
-                return False
-            ms = _best_ms(fn)
-        except RuntimeError as e:  # a build or CPU the op refuses
-            seen.append(f"{name} failed ({str(e).splitlines()[0][:80]})")
-            return False
-        seen.append(f"{name} {ms:.2f} ms")
-        return ms <= PROBE_SLOWDOWN * float_ms
-
-    onednn_out: list[torch.dtype] = []
-    onednn = torch.ops.onednn
-    if torch.backends.mkldnn.is_available() and hasattr(onednn, "qlinear_prepack") and hasattr(onednn, "qlinear_pointwise"):
-        try:
-            packed, ones, xu = _prepack(w), torch.ones(n), _as_u8(x.clone())
-        except RuntimeError as e:
-            seen.append(f"oneDNN prepack failed ({str(e).splitlines()[0][:80]})")
-        else:
-            for dtype in (torch.float32, torch.bfloat16):
-                if fast(f"oneDNN -> {str(dtype).removeprefix('torch.')}",
-                        lambda d=dtype: _onednn_linear(xu, packed, ones, d)):
-                    onednn_out.append(dtype)
-    else:
+    has_onednn = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")
+                  and hasattr(torch.ops.onednn, "qlinear_pointwise"))
+    if not has_onednn:
         seen.append("no oneDNN int8 linear in this torch")
-    if torch.float32 in onednn_out:
-        backend: str | None = "onednn"
-    elif fast("torch._int_mm", lambda: torch._int_mm(x, w.t()).float()):
-        backend = "int_mm"
-    else:
-        backend = None
-    return GemmChoice(backend, tuple(onednn_out), "; ".join(seen))
+
+    for qmax in WEIGHT_QMAX:
+        w = torch.randint(-qmax, qmax + 1, (n, k), generator=g, dtype=torch.int8)
+        exact = xf @ w.float().t()  # integers below 2^24: exact in float32
+        bits = f"{8 if qmax == 127 else 7}-bit weights"
+
+        def fast(name: str, fn) -> bool:
+            try:
+                got = fn()
+                # exact in float32; bf16 output rounds the products to its 8-bit mantissa
+                ok = torch.equal(got, exact) if got.dtype == torch.float32 else torch.allclose(got.float(), exact, rtol=1e-2)
+                if not ok:  # e.g. int16 saturation in a kernel without VNNI
+                    seen.append(f"{name}, {bits}: inexact")
+                    return False
+                ms = _best_ms(fn)
+            except RuntimeError as e:  # a build or CPU the op refuses
+                seen.append(f"{name}, {bits}: failed ({str(e).splitlines()[0][:80]})")
+                return False
+            seen.append(f"{name}, {bits}: {ms:.2f} ms")
+            return ms <= PROBE_SLOWDOWN * float_ms
+
+        onednn_out: list[torch.dtype] = []
+        if has_onednn:
+            try:
+                packed, ones, xu = _prepack(w), torch.ones(n), _as_u8(x.clone())
+            except RuntimeError as e:
+                seen.append(f"oneDNN prepack failed ({str(e).splitlines()[0][:80]})")
+            else:
+                for dtype in (torch.float32, torch.bfloat16):
+                    if fast(f"oneDNN -> {str(dtype).removeprefix('torch.')}",
+                            lambda d=dtype: _onednn_linear(xu, packed, ones, d)):
+                        onednn_out.append(dtype)
+        if torch.float32 in onednn_out:
+            return GemmChoice("onednn", tuple(onednn_out), "; ".join(seen), qmax)
+        if fast("torch._int_mm", lambda: torch._int_mm(x, w.t()).float()):
+            return GemmChoice("int_mm", (), "; ".join(seen), qmax)
+    return GemmChoice(None, (), "; ".join(seen))
 
 
 def require_fast_gemm() -> str:
@@ -235,7 +244,7 @@ class Int8Linear:
         if weight.device.type != "cpu":
             raise EngineError("int8 weights are a CPU path (oneDNN / torch._int_mm); use dtype bfloat16 on CUDA")
         backend = require_fast_gemm()
-        q, scale = quantize_weight(weight)
+        q, scale = quantize_weight(weight, gemm_choice().weight_qmax)
         return cls(q, scale, bias, _prepack(q) if backend == "onednn" else None)
 
     @property

@@ -63,6 +63,20 @@ def test_a_tiny_run_with_background_reports_contention_cpu_use_and_features(tmp_
     assert record["rows"][0][-2] == round(floor["seconds"], 1) and record["rows"][0][-1].endswith("%")
 
 
+def test_int8_systems_are_skipped_with_the_reason_where_the_cpu_has_no_fast_int8_gemm(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from apiary.cloud.engine import int8
+
+    monkeypatch.setattr(int8, "gemm_choice", lambda: int8.GemmChoice(None, (), "oneDNN -> float32 inexact"))
+    monkeypatch.chdir(tmp_path)
+    app = typer.Typer()
+    app.command()(bench_engine.command)
+    result = CliRunner().invoke(app, ["--systems", "engine-int8,engine-int8-fp32", "--requests", "1"])
+    assert result.exit_code != 0
+    assert "skipping engine-int8, engine-int8-fp32: no fast int8 GEMM on this CPU (oneDNN -> float32 inexact)" in result.output
+    assert "no system left to run" in result.output and not (tmp_path / "results").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_http_systems_serve_the_same_requests_and_report_ratio_rss_and_warm_up(tmp_path: Path, gguf_path: Path,
