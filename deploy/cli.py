@@ -65,7 +65,8 @@ def distill_command(
                                                   "boot), so the student does not need full context."),
     qat_steps: int = typer.Option(0, help="Train the last N steps through the INT4 export's rounding (QAT)."),
     qat_qtype: str = typer.Option("q4_0", help="The GGUF block type QAT simulates: q4_0 or q4_1."),
-    dtype: str = typer.Option("bfloat16", help="Autocast dtype for the student's matmuls: bfloat16 or float32."),
+    dtype: str = typer.Option("auto", help="Autocast dtype for the student's matmuls: auto (bf16 where the CPU has it), "
+                                           "bfloat16 or float32."),
     checkpoint_every: int = typer.Option(10, help="Steps between checkpoints."),
     resume: bool = typer.Option(True, help="Continue from OUT/checkpoint.pt when present."),
     progress: bool = typer.Option(True, help="Show the progress bar."),

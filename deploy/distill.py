@@ -51,6 +51,7 @@ from apiary.cloud.engine.config import ModelConfig
 from apiary.cloud.engine.loader import Checkpoint
 from apiary.deploy import corpus as corpus_mod
 from apiary.deploy.agreement import agreement, torch_top1
+from apiary.deploy.finetune import autocast_dtype
 from apiary.deploy.student import (LlamaForTraining, load_model, save_hf_folder, spread_layers, student_from_teacher,
                             tokenizer_metadata)
 
@@ -84,7 +85,7 @@ class DistillConfig:
     qat_steps: int = 0  # the last N steps train through the export's INT4 rounding (deploy.qat)
     qat_qtype: str = "q4_0"  # the GGUF block type `apiary quantize` will write
     keep_wrong: bool = False  # also learn from teacher answers whose assessment is not the label
-    dtype: str = "bfloat16"  # autocast dtype of the student's matmuls; weights stay float32
+    dtype: str = "auto"  # autocast of the student's matmuls (auto: bf16 where the CPU has it); weights stay float32
     checkpoint_every: int = 10
     train_embeddings: bool = False  # embeddings are tied to the head: frozen keeps the teacher's vocabulary space
 
@@ -96,7 +97,7 @@ class DistillConfig:
                   (self.temperature > 0, "temperature must be > 0"), (self.alpha_ce >= 0, "alpha_ce must be >= 0"),
                   (self.top_k >= 1, "top_k must be >= 1"), (self.n_sensor >= 0 and self.n_eval >= 0,
                                                             "n_sensor and n_eval must be >= 0"),
-                  (self.dtype in ("float32", "bfloat16"), "dtype must be float32 or bfloat16"),
+                  (self.dtype in ("auto", "float32", "bfloat16"), "dtype must be auto, float32 or bfloat16"),
                   (self.checkpoint_every >= 1, "checkpoint_every must be >= 1"),
                   (0 <= self.qat_steps <= self.steps, "qat_steps must be in 0..steps"),
                   (0 <= self.context_drop <= 1, "context_drop must be in 0..1"),
@@ -556,7 +557,8 @@ def distill(cfg: DistillConfig, *, resume: bool = True, progress: bool = True,
                                          for f in dataclasses.fields(teacher_config)},
                       "config": {**asdict(cfg), "layers_used": layers}}, ckpt_path)
 
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
+    cast = autocast_dtype(cfg.dtype)
+    autocast = torch.autocast("cpu", dtype=cast or torch.bfloat16, enabled=cast is not None)
     columns = [TextColumn("[bold]distill"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeElapsedColumn(), TimeRemainingColumn()]
     with Progress(*columns, disable=not progress, transient=False) as bar:

@@ -79,8 +79,17 @@ def test_int4_export_runs_in_llama_cpp_like_the_torch_student(run: DistillReport
     [out] = engine.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True))
     assert out.output_token_ids[:12] == greedy[:12]
     [llama] = llama_top1(report.path, [ids], threads=1)
-    match = agreement([llama[len(prompt) - 1:-1]], [np.array(greedy)])
-    assert match.rate >= 0.75, (match, greedy, llama[len(prompt) - 1:-1].tolist())
+    theirs = llama[len(prompt) - 1:-1]
+    match = agreement([theirs], [np.array(greedy)])
+    # Where INT4 picks another token, the float student must have been nearly undecided between the two.
+    with torch.no_grad():
+        logits = student(torch.tensor([ids]))[0, len(prompt) - 1:-1].float()
+    gap = logits.max(-1).values - logits.gather(1, torch.as_tensor(theirs, dtype=torch.long)[:, None])[:, 0]
+    # Measured: after bf16 training 83% identical (gaps where not: 0.2-2.5 logits, mean 0.22 over all 24);
+    # after float32 training (hosts without native bf16) 46%, the student looping between near-tied
+    # tokens (gaps 0.02-1.4, mean 0.33). A broken export (wrong layout or scales) picks tokens the
+    # student ranks far below, everywhere.
+    assert match.rate >= 0.4 and gap.mean() < 0.6, (match, gap.tolist(), greedy, theirs.tolist())
 
 
 @pytest.mark.timeout(600)

@@ -253,3 +253,17 @@ def test_some_situations_are_asked_with_fewer_earlier_events() -> None:
         assert f[1]["content"].splitlines()[-1] == c[1]["content"].splitlines()[-1]
     assert any("Change over" not in c[1]["content"] for _, c in changed)
     assert corpus.sensor_situations(40, seed=3, style="short", context_drop=0.5) == cut  # deterministic
+
+
+@pytest.mark.parametrize("flags, expected", [({"avx2", "fma"}, None), ({"avx2", "avx512f", "avx512_bf16"}, torch.bfloat16),
+                                             ({"amx_bf16"}, torch.bfloat16)])
+def test_auto_autocast_is_bf16_only_where_the_cpu_computes_it(flags: set[str], expected: torch.dtype | None,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Distillation and fine-tuning train in bf16 only on native bf16 (emulated, a short distillation ran past
+    600 s on an AVX2 host); explicit choices stand."""
+    from apiary.deploy.finetune import autocast_dtype
+    from apiary.kernels import cpu
+
+    monkeypatch.setattr(cpu, "host_flags", lambda: frozenset(flags))
+    assert autocast_dtype("auto") == expected
+    assert autocast_dtype("float32") is None and autocast_dtype("bfloat16") == torch.bfloat16
