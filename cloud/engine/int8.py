@@ -12,9 +12,10 @@ oneDNN ran its reference kernel on a Zen 4 host, 243 ms where ``brg_matmul:avx51
 takes 0.08), with ``torch._int_mm`` (int8 x int8 -> int32) as the fallback. Which one runs is
 decided once per process by ``gemm_choice``, a probe that times each against float32 and checks it
 is exact: hosts differ from day to day, and without VNNI (the Zen 4 host with oneDNN held to AVX2,
-``ONEDNN_MAX_CPU_ISA=AVX2``) both came out inexact (u8 x s8 pairs through ``vpmaddubsw`` saturate
-int16) and oneDNN's bf16 output took its reference kernel, so int8 weights are refused there with
-the probe's findings instead of computing wrong numbers. Measured on the 2-core Sapphire Rapids dev machine
+``ONEDNN_MAX_CPU_ISA=AVX2``) both came out inexact with 8-bit weights (u8 x s8 pairs through
+``vpmaddubsw`` saturate int16) and oneDNN's bf16 output took its reference kernel, so the probe
+falls back to 7-bit weights there (exact; 91.8% teacher-forced agreement instead of 95.8%), and
+where nothing passes int8 weights are refused with its findings instead of computing wrong numbers. Measured on the 2-core Sapphire Rapids dev machine
 (AVX-512 VNNI, AMX), one thread, this model's four projections summed, GEMM alone (ms):
 rows 1: oneDNN 0.38, ``_int_mm`` 0.65, fp32 0.62, bf16 prepacked 0.46; rows 64: 0.53, 0.64,
 5.9, 0.76; rows 1,024: 10.7, 11.2, 70.7, 8.6. ``torch.ops.quantized.linear_dynamic``
