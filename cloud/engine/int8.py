@@ -15,8 +15,9 @@ is exact: hosts differ from day to day, and without VNNI (the Zen 4 host with on
 ``ONEDNN_MAX_CPU_ISA=AVX2``) both came out inexact with 8-bit weights (u8 x s8 pairs through
 ``vpmaddubsw`` saturate int16) and oneDNN's bf16 output took its reference kernel, so the probe
 falls back to 7-bit weights there (exact; 91.8% teacher-forced agreement instead of 95.8%), and
-where nothing passes int8 weights are refused with its findings instead of computing wrong numbers. Measured on the 2-core Sapphire Rapids dev machine
-(AVX-512 VNNI, AMX), one thread, this model's four projections summed, GEMM alone (ms):
+where nothing passes int8 weights are refused with its findings instead of computing wrong numbers.
+Measured on the 2-core Sapphire Rapids dev machine (AVX-512 VNNI, AMX), one thread, this model's
+four projections summed, GEMM alone (ms):
 rows 1: oneDNN 0.38, ``_int_mm`` 0.65, fp32 0.62, bf16 prepacked 0.46; rows 64: 0.53, 0.64,
 5.9, 0.76; rows 1,024: 10.7, 11.2, 70.7, 8.6. ``torch.ops.quantized.linear_dynamic``
 (fbgemm) quantizes activations per tensor, not per token, and was slower (1.4 ms at one row
@@ -120,8 +121,6 @@ def smoothing(act_absmax: torch.Tensor, weight: torch.Tensor, alpha: float = DEF
 PROBE_SHAPE = (64, 256, 512)  # rows, in, out
 PROBE_SLOWDOWN = 4.0  # measured: JIT int8 GEMMs 0.2-1.1x F.linear at this size; reference kernels > 100x
 ACTIVATION_ZERO_POINT = 128  # oneDNN's fast x86 kernels take u8 activations: q + 128, a zero point it subtracts
-
-
 WEIGHT_QMAX = (127, 63)  # tried in order: 8-bit weights, then 7-bit ones (u8 x s7 pairs fit int16)
 
 
@@ -159,8 +158,8 @@ def gemm_choice() -> GemmChoice:
     rows, k, n = PROBE_SHAPE
     g = torch.Generator().manual_seed(0)
     x = torch.randint(-127, 128, (rows, k), generator=g, dtype=torch.int8)
-    xf = x.float()
-    float_ms = _best_ms(lambda: F.linear(xf, torch.randn(n, k)))
+    xf, wf = x.float(), torch.randn(n, k, generator=g)
+    float_ms = _best_ms(lambda: F.linear(xf, wf))
     seen = [f"float32 F.linear {float_ms:.2f} ms at {rows}x{k}x{n}"]
     has_onednn = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")
                   and hasattr(torch.ops.onednn, "qlinear_pointwise"))
@@ -209,8 +208,8 @@ def require_fast_gemm() -> str:
     """The probed backend, or a clear refusal where int8 would run at reference-kernel speed."""
     choice = gemm_choice()
     if choice.backend is None:
-        raise EngineError("int8 weights need a fast int8 GEMM and this CPU has none (oneDNN's and torch._int_mm's "
-                          f"kernels here are far slower than float32: {choice.reason}); use weights='dtype'")
+        raise EngineError("int8 weights need a fast int8 GEMM and this CPU has none (no exact oneDNN or torch._int_mm "
+                          f"kernel here keeps up with float32: {choice.reason}); use weights='dtype'")
     return choice.backend
 
 
