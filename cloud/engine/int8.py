@@ -140,6 +140,10 @@ class GemmChoice:
     reason: str  # what the probe measured, for the log and for tests that need a fast int8 GEMM
     weight_qmax: int = 127  # weights quantize to [-weight_qmax, weight_qmax]
 
+    @property
+    def weight_bits(self) -> int:
+        return self.weight_qmax.bit_length() + 1  # 127: 8, 63: 7
+
 
 def _best_ms(fn, repeats: int = 3) -> float:
     fn()  # the first call builds oneDNN's primitive
@@ -169,7 +173,7 @@ def gemm_choice() -> GemmChoice:
     for qmax in WEIGHT_QMAX:
         w = torch.randint(-qmax, qmax + 1, (n, k), generator=g, dtype=torch.int8)
         exact = xf @ w.float().t()  # integers below 2^24: exact in float32
-        bits = f"{8 if qmax == 127 else 7}-bit weights"
+        bits = f"{qmax.bit_length() + 1}-bit weights"
 
         def fast(name: str, fn) -> bool:
             try:

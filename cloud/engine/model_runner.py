@@ -93,7 +93,7 @@ class ModelRunner:
         choice = int8.gemm_choice()
         log.info("int8 weights (W8A8, SmoothQuant alpha %.2f over %d calibration tokens, %s GEMM, %d-bit weights; "
                  "probe: %s) in %.1f s", int8.DEFAULT_ALPHA, sum(map(len, prompts)), choice.backend,
-                 8 if choice.weight_qmax == 127 else 7, choice.reason, time.perf_counter() - start)
+                 choice.weight_bits, choice.reason, time.perf_counter() - start)
 
     def _default_kv_bytes(self) -> int:
         if self.device.type == "cuda":

@@ -81,7 +81,7 @@ def test_int4_export_runs_in_llama_cpp_like_the_torch_student(run: DistillReport
     [llama] = llama_top1(report.path, [ids], threads=1)
     theirs = llama[len(prompt) - 1:-1]
     match = agreement([theirs], [np.array(greedy)])
-    # Where INT4 picks another token, the float student must have been nearly undecided between the two.
+    # Where INT4 picks another token, the float student was, on average, nearly undecided between the two.
     with torch.no_grad():
         logits = student(torch.tensor([ids]))[0, len(prompt) - 1:-1].float()
     gap = logits.max(-1).values - logits.gather(1, torch.as_tensor(theirs, dtype=torch.long)[:, None])[:, 0]
