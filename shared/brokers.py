@@ -24,7 +24,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from apiary.shared.config import MqttConfig
 from apiary.shared.logs import get_logger
@@ -227,6 +227,23 @@ class MosquittoBroker:
         self.close()
 
 
+class SnapshotDict(dict):
+    """A dict whose iteration (keys, values, items) walks a snapshot taken when the loop starts: a loop
+    that awaits between items sees the table as it was, and a concurrent insert or delete cannot break it."""
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(list(dict.keys(self)))
+
+    def keys(self) -> list[Any]:  # type: ignore[override]
+        return list(dict.keys(self))
+
+    def values(self) -> list[Any]:  # type: ignore[override]
+        return list(dict.values(self))
+
+    def items(self) -> list[tuple[Any, Any]]:  # type: ignore[override]
+        return list(dict.items(self))
+
+
 @functools.cache
 def _amqtt_classes() -> tuple[type, type]:
     """The two amqtt extensions the embedded broker needs (built lazily: amqtt is only imported here).
@@ -239,7 +256,11 @@ def _amqtt_classes() -> tuple[type, type]:
       would stall every client's MQTT 5 attempt until its timeout. It also holds Mosquitto's
       limits, which stock amqtt lacks: a packet over ``MAX_PACKET_SIZE`` disconnects its client
       as soon as its fixed header says so (a 200 MB publish is never read, let alone relayed),
-      and an offline session queues at most ``MAX_QUEUED_MESSAGES``.
+      and an offline session queues at most ``MAX_QUEUED_MESSAGES``. Its subscription table is a
+      ``SnapshotDict``: amqtt loops over it across awaits (replaying retained messages to a
+      connecting client, fanning out every broadcast), and a client subscribing meanwhile raised
+      "dictionary changed size during iteration", which ended the connecting client's session
+      (seen in `apiary demo`) or the broadcast for the subscribers not yet served.
     """
     from amqtt.adapters import StreamReaderAdapter, StreamWriterAdapter
     from amqtt.broker import Broker
@@ -304,6 +325,10 @@ def _amqtt_classes() -> tuple[type, type]:
             return False
 
     class Mqtt311Broker(Broker):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._subscriptions = SnapshotDict(self._subscriptions)
+
         async def stream_connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                                    listener_name: str) -> None:
             async def connect_head() -> bytes:  # fixed header, remaining length, protocol name and level

@@ -209,6 +209,52 @@ def test_embedded_broker_bounds_the_queue_of_an_offline_session(monkeypatch) -> 
         broker.stop()
 
 
+def test_embedded_broker_survives_subscriptions_while_it_replays_retained_messages() -> None:
+    """amqtt replays retained messages to a connecting client topic by topic, awaiting each; a subscription
+    from another client meanwhile raised "dictionary changed size during iteration" and ended the new
+    client's session (a traceback in `apiary demo`'s log). Here the replay is slowed down so that the
+    subscriptions surely land inside it: the new client stays connected and gets what is published."""
+    import asyncio
+
+    broker = EmbeddedBroker()
+    cfg = broker.start()
+    amqtt = broker._broker
+    replay = amqtt._publish_retained_messages_for_subscription
+
+    async def slow_replay(*args, **kwargs):
+        await asyncio.sleep(0.05)
+        return await replay(*args, **kwargs)
+
+    amqtt._publish_retained_messages_for_subscription = slow_replay
+    clients = []
+    try:
+        busy, _, _ = raw_client(cfg, "busy")
+        clients.append(busy)
+        assert until(busy.is_connected)
+        for i in range(10):
+            busy.subscribe(f"old/{i}", qos=1)
+        assert until(lambda: len(amqtt._subscriptions) == 10)
+        late, got, gone = raw_client(cfg, "late")
+        clients.append(late)
+        for i in range(10):  # while the late client's replay walks the ten old topics
+            busy.subscribe(f"new/{i}", qos=1)
+            time.sleep(0.02)
+        assert until(lambda: len(amqtt._subscriptions) == 20)
+        late.subscribe("late/x", qos=1)
+        assert until(lambda: "late/x" in amqtt._subscriptions)
+        pub, _, _ = raw_client(cfg, "pub")
+        clients.append(pub)
+        assert until(pub.is_connected)
+        pub.publish("late/x", b"still here", qos=1).wait_for_publish(5)
+        assert until(lambda: got == [b"still here"]), gone
+        assert gone == [] and late.is_connected()
+    finally:
+        for c in clients:
+            c.disconnect()
+            c.loop_stop()
+        broker.stop()
+
+
 def test_embedded_broker_port_in_use_is_a_clear_error() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
