@@ -39,8 +39,9 @@ WORDS = ("hive colony brood queen worker drone nectar pollen honey comb frame wa
          "entrance guard robbing varroa mite inspection super winter spring summer autumn beekeeper smoke "
          "the a of and to in is was rose fell steady kg degrees percent alert normal check report hive7 "
          "12 3.5 2024 why how when colony's bees' calm busy loud quiet").split()
-SYSTEMS = ("engine", "engine-torch-attn", "engine-fp32", "engine-int8", "engine-int8-fp32", "engine-bs1", "hf", "llama-cpp", "llama-server", "cloud-http")
-HTTP_SYSTEMS = ("llama-server", "cloud-http")
+SYSTEMS = ("engine", "engine-torch-attn", "engine-fp32", "engine-int8", "engine-int8-fp32", "engine-kv8", "engine-bs1", "hf",
+           "llama-cpp", "llama-server", "cloud-http", "cloud-http-int8", "cloud-http-kv8")
+HTTP_SYSTEMS = ("llama-server", "cloud-http", "cloud-http-int8", "cloud-http-kv8")
 
 
 @dataclass(slots=True)
@@ -206,7 +207,8 @@ def _llama_cpp_child() -> None:
                       "tokens": res.extra["tokens"]}))
 
 
-FLOOR_DTYPES = {"engine": None, "engine-torch-attn": None, "cloud-http": None, "engine-int8": "int8",
+FLOOR_DTYPES = {"engine": None, "engine-torch-attn": None, "cloud-http": None, "cloud-http-kv8": None,
+                "cloud-http-int8": None, "engine-kv8": None, "engine-int8": "int8",
                 "engine-fp32": "float32", "engine-bs1": "float32", "engine-int8-fp32": "float32"}
 
 
@@ -277,7 +279,7 @@ def command(
     unknown = set(chosen) - set(SYSTEMS)
     if unknown:
         raise typer.BadParameter(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
-    int8_systems = [s for s in chosen if s.startswith("engine-int8")]
+    int8_systems = [s for s in chosen if s.startswith("engine-int8") or s == "cloud-http-int8"]
     if int8_systems:
         from apiary.cloud.engine import int8
 
@@ -295,10 +297,16 @@ def command(
     threads = threads or engine_threads.STATE.cpus
     torch.set_num_threads(threads)
 
-    def engine_for(engine_dtype: str, cpu_attention: str = "numba", weights: str = "dtype") -> Any:
+    def engine_for(engine_dtype: str, cpu_attention: str = "numba", weights: str = "dtype",
+                   kv_cache_dtype: str = "auto") -> Any:
         return LLMEngine(EngineConfig(model_path=path, dtype=engine_dtype, kv_cache_bytes=2 << 30,
                                       max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                                      num_threads=threads, cpu_attention=cpu_attention, weights=weights))
+                                      num_threads=threads, cpu_attention=cpu_attention, weights=weights,
+                                      kv_cache_dtype=kv_cache_dtype))
+
+    def kv_tokens(name: str) -> str:
+        runner = engines[name].runner
+        return f"{runner.num_blocks * runner.block_size:,}"
 
     engines: dict[str, Any] = {}
     tokenizer = (engines.setdefault(dtype, engine_for(dtype))).tokenizer
@@ -327,6 +335,10 @@ def command(
             res = run_engine(engines.setdefault("int8-fp32", engine_for("float32", weights="int8")), work,
                              max_num_seqs)
             res.detail = "continuous batching, int8 weights (W8A8), float32 activations"
+        elif system == "engine-kv8":  # int8 KV cache rows (cloud.engine.kv_cache), weights in --dtype
+            res = run_engine(engines.setdefault("kv8", engine_for(dtype, kv_cache_dtype="int8")), work, max_num_seqs)
+            res.detail = (f"continuous batching, {resolved('kv8')}, int8 KV cache ({kv_tokens('kv8')} tokens in 2 GiB "
+                          f"against {kv_tokens(dtype)} with {resolved(dtype)} rows)")
         elif system == "engine-bs1":
             # Batch size 1 in float32: bf16 gains nothing at batch 1 on this CPU (measured), so the
             # sequential baseline gets its fastest precision.

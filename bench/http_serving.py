@@ -2,7 +2,8 @@
 
 ``apiary bench engine --systems …,llama-server,cloud-http`` starts each server as its own
 process on the same GGUF (llama.cpp's ``llama-server`` with 16 parallel slots, built by
-deploy/build_llama_server.sh; our ``apiary cloud serve``), waits until it is ready, and drives it
+deploy/build_llama_server.sh; our ``apiary cloud serve``, and as ``cloud-http-int8`` / ``cloud-http-kv8``
+the same with ``--weights int8`` / ``--kv-cache-dtype int8``), waits until it is ready, and drives it
 with one client: the workload's prompt token ids to ``/v1/completions`` (``stream``, greedy,
 ``ignore_eos``, ``max_tokens``), at most ``concurrency`` requests in flight. Per run: output
 tokens/s over the wall time, TTFT of every request (send to first streamed token), the
@@ -127,8 +128,9 @@ def llama_server(model: Path, threads: int, slots: int, ctx_per_slot: int, timeo
 
 @contextmanager
 def cloud_server(model: Path, dtype: str, max_num_seqs: int, budget: int, env: dict[str, str],
-                 timeout: float = 600) -> Iterator[Server]:
-    """``apiary cloud serve`` on the raw GGUF (no adapter, no broker), REST only, with a key of its own."""
+                 timeout: float = 600, options: Sequence[str] = ()) -> Iterator[Server]:
+    """``apiary cloud serve`` on the raw GGUF (no adapter, no broker), REST only, with a key of its own;
+    ``options``: more of its command-line options."""
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="apiary-bench-cloud-") as tmp:
         key_file = Path(tmp) / "keys.jsonl"
@@ -137,7 +139,7 @@ def cloud_server(model: Path, dtype: str, max_num_seqs: int, budget: int, env: d
         key = KeyRing(key_file).create(SCOPES, name="bench")
         cmd = [sys.executable, "-m", "apiary", "cloud", "serve", "--port", str(port), "--model", str(model),
                "--adapter", "none", "--dtype", dtype, "--db", str(Path(tmp) / "c.db"), "--api-key-file",
-               str(key_file), "--images", str(Path(tmp) / "img")]
+               str(key_file), "--images", str(Path(tmp) / "img"), *options]
         server_env = {**env, "APIARY__CLOUD__MAX_NUM_SEQS": str(max_num_seqs),
                       "APIARY__CLOUD__MAX_NUM_BATCHED_TOKENS": str(budget),  # its default KV cache (512 MiB)
                       "APIARY__CLOUD__MAX_WAITING": "1024", "APIARY__CLOUD__SERVED_MODEL_NAME": "bench",
@@ -231,6 +233,11 @@ def run_http(server: Server, work: Sequence[Any], concurrency: int) -> HttpRun:
     return HttpRun(wall, counts, ttfts, peak_rss_mb(server.pid), cpu)
 
 
+# the cloud-http systems: `apiary cloud serve` as operators start it, and with int8 weights or KV cache
+CLOUD_OPTIONS: dict[str, tuple[str, ...]] = {"cloud-http": (), "cloud-http-int8": ("--weights", "int8"),
+                                             "cloud-http-kv8": ("--kv-cache-dtype", "int8")}
+
+
 def run_server_system(system: str, model: Path, work: Sequence[Any], *, threads: int, clients: int, dtype: str,
                       max_num_seqs: int, budget: int, drop_env: Sequence[str] = ()) -> Any:
     """One round of an HTTP system (``llama-server`` or ``cloud-http``) on a freshly started server, as a
@@ -243,9 +250,11 @@ def run_server_system(system: str, model: Path, work: Sequence[Any], *, threads:
         ctx = max(len(r.prompt) + r.max_tokens for r in work) + 16
         server = llama_server(model, threads, clients, ctx)
         detail = f"llama.cpp's llama-server, {clients} slots, {threads} threads, over HTTP, {clients} clients"
-    elif system == "cloud-http":
-        server = cloud_server(model, dtype, max_num_seqs, budget, env)
-        detail = f"apiary cloud serve (dtype {dtype}, max_num_seqs={max_num_seqs}), over HTTP, {clients} clients"
+    elif system in CLOUD_OPTIONS:
+        options = CLOUD_OPTIONS[system]
+        server = cloud_server(model, dtype, max_num_seqs, budget, env, options=options)
+        detail = (f"apiary cloud serve (dtype {dtype}{''.join(f' {o}' for o in options)}, max_num_seqs={max_num_seqs}), "
+                  f"over HTTP, {clients} clients")
     else:
         raise ValueError(f"not an HTTP system: {system}")
     with server as s:

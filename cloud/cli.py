@@ -36,6 +36,8 @@ def serve(
     api_key_file: Optional[str] = typer.Option(None, help="hashed API keys, JSON lines [.apiary/cloud-keys.jsonl]"),
     dtype: Optional[str] = typer.Option(None, help="auto | float32 | bfloat16"),
     weights: Optional[str] = typer.Option(None, help="decoder weights: dtype | int8 (W8A8, CPU) [dtype]"),
+    kv_cache_dtype: Optional[str] = typer.Option(None, help="KV cache rows: auto (= dtype) | int8 (per-token "
+                                                            "scales, CPU: ~2x the tokens of bf16) [auto]"),
     worker_id: Optional[str] = typer.Option(None, help="this process's MQTT client id / worker name"),
     speculative: Optional[str] = typer.Option(None, help="speculative decoding: off | ngram | draft [off]"),
     draft_model: Optional[str] = typer.Option(None, help="draft checkpoint for --speculative draft "
@@ -63,7 +65,8 @@ def serve(
     try:
         settings = load_settings(config, broker=broker, host=host, port=port, model=model, adapter=adapter, db=db,
                                  images=images,
-                                 api_key_file=api_key_file, dtype=dtype, weights=weights, worker_id=worker_id,
+                                 api_key_file=api_key_file, dtype=dtype, weights=weights,
+                                 kv_cache_dtype=kv_cache_dtype, worker_id=worker_id,
                                  speculative=speculative, draft_model=draft_model, tls_cert=tls_cert,
                                  tls_key=tls_key)
         service = CloudService(settings)

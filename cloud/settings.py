@@ -71,6 +71,8 @@ class CloudSettings(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # decoder weights: in `dtype`, or int8 (W8A8 + SmoothQuant, CPU only; docs/engine.md "int8 weights")
     weights: Literal["dtype", "int8"] = "dtype"
+    # KV cache rows: in `dtype`, or int8 with per-token scales (CPU only; docs/engine.md "int8 KV cache")
+    kv_cache_dtype: Literal["auto", "int8"] = "auto"
     kv_cache_mb: int = Field(default=512, ge=1)
     max_num_seqs: int = Field(default=32, ge=1)
     max_num_batched_tokens: int = Field(default=1024, ge=16)

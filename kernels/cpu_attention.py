@@ -17,8 +17,11 @@ CPU decode attention from here (``decode_backend``) and imports this module only
 Semantics are ``apiary.kernels.ops.paged_decode_attention``'s: caches ``[num_blocks, block_size, Hkv,
 D]``, query head ``h`` reads KV head ``h // (Hq // Hkv)``, a sequence sees its
 ``context_lens[b]`` cached tokens (only the last ``sliding_window`` of them with a window), and
-a sequence with no tokens yields zeros. bfloat16 and float32 caches are supported; anything
-else (or a CUDA tensor) ``apiary.kernels.ops`` routes to the torch reference or Triton.
+a sequence with no tokens yields zeros. bfloat16 and float32 caches are supported, and int8 caches
+with their per-token, per-KV-head float32 scales (``EngineConfig(kv_cache_dtype="int8")``): a key's
+scale multiplies its dot product once, a value's its probability, so the inner loops only widen
+int8 to float32 and read a quarter of float32's bytes. Anything else (or a CUDA tensor)
+``apiary.kernels.ops`` routes to the torch reference or Triton.
 """
 from __future__ import annotations
 
@@ -31,7 +34,8 @@ from numba.extending import intrinsic, overload
 
 from apiary.kernels.errors import KernelError
 
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float32, torch.int8)
+_NO_SCALES = np.ones((1, 1, 1), np.float32)  # float caches: the kernel never reads it
 
 
 @intrinsic
@@ -58,8 +62,10 @@ def _as_f32_impl(value):  # type: ignore[no-untyped-def]
 
 
 @njit(parallel=True, fastmath=True, cache=True, boundscheck=False, nogil=True)
-def _decode_kernel(q, k_cache, v_cache, block_tables, context_lens, scale, window, out):  # type: ignore[no-untyped-def]
-    """q ``[B, Hq, D]`` fp32; caches int16 (bf16 bits) or fp32; out ``[B, Hq, D]`` fp32.
+def _decode_kernel(q, k_cache, v_cache, k_scale, v_scale, quantized, block_tables, context_lens, scale, window,
+                   out):  # type: ignore[no-untyped-def]
+    """q ``[B, Hq, D]`` fp32; caches int16 (bf16 bits), fp32 or int8 (``quantized``: with ``k_scale``/``v_scale``
+    ``[blocks, block_size, Hkv]``); out ``[B, Hq, D]`` fp32.
 
     One work item per sequence, all heads together: a token's K (or V) row for every KV head is one
     contiguous run of memory, read whole (per-head items read a third of each run and measured
@@ -90,11 +96,12 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, context_lens, scale, windo
             block, offset = block_tables[b, pos // block_size], pos % block_size
             for h in range(num_kv_heads):
                 key = k_cache[block, offset, h]
+                key_scale = k_scale[block, offset, h] if quantized else np.float32(1.0)
                 for hq in range(h * group, (h + 1) * group):
                     s = np.float32(0.0)
                     for d in range(head_dim):
                         s += scaled_q[hq, d] * _as_f32(key[d])
-                    scores[hq, t] = s
+                    scores[hq, t] = s * key_scale
         for hq in range(num_heads):
             top = scores[hq, 0]
             for t in range(1, n):
@@ -113,8 +120,9 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, context_lens, scale, windo
             block, offset = block_tables[b, pos // block_size], pos % block_size
             for h in range(num_kv_heads):
                 value = v_cache[block, offset, h]
+                value_scale = v_scale[block, offset, h] if quantized else np.float32(1.0)
                 for hq in range(h * group, (h + 1) * group):
-                    p = scores[hq, t]
+                    p = scores[hq, t] * value_scale
                     for d in range(head_dim):
                         acc[hq, d] += p * _as_f32(value[d])
         for hq in range(num_heads):
@@ -133,20 +141,26 @@ def _cache_array(cache: torch.Tensor) -> np.ndarray:
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                           context_lens: torch.Tensor, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                           context_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence ``q[B, Hq, D]`` over its ``context_lens[b]`` cached tokens -> ``[B, Hq, D]``.
 
-    For the best thread balance, order sequences by context length (the runner does).
+    int8 caches need their ``k_scale``/``v_scale``. For the best thread balance, order sequences by
+    context length (the runner does).
     """
     if not (supports(k_cache) and v_cache.dtype == k_cache.dtype):
         raise KernelError(f"cpu_attention serves CPU caches of {SUPPORTED_DTYPES}, got {k_cache.dtype} on {k_cache.device}")
+    quantized = k_cache.dtype == torch.int8
+    if quantized != (k_scale is not None and v_scale is not None):
+        raise KernelError("int8 caches need k_scale and v_scale, float caches take none")
     if sliding_window is not None and sliding_window < 1:
         raise KernelError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     out = np.empty(tuple(q.shape), np.float32)
     if q.shape[0]:
         # numba's thread count is per calling thread (the async engine steps in its own thread).
         numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
-        _decode_kernel(q.float().contiguous().numpy(), _cache_array(k_cache), _cache_array(v_cache),
+        scales = (k_scale.numpy(), v_scale.numpy()) if quantized else (_NO_SCALES, _NO_SCALES)
+        _decode_kernel(q.float().contiguous().numpy(), _cache_array(k_cache), _cache_array(v_cache), *scales, quantized,
                        block_tables.to(torch.int32).contiguous().numpy(),
                        context_lens.to(torch.int32).contiguous().numpy(),
                        np.float32(scale), int(sliding_window or 0), out)

@@ -10,6 +10,11 @@ Results are those of the torch expression ``round(x / (max(|x|, 1e-8) / 127))`` 
 even, the division in float32, not a reciprocal multiply), so either path gives the same int8.
 float32 and bfloat16 rows are supported (bf16 bits are widened in registers, as in
 ``apiary.kernels.cpu_attention``, which owns that conversion).
+
+``write_kv_int8`` is the same quantization fused with the KV-cache scatter (int8 KV caches,
+``EngineConfig(kv_cache_dtype="int8")``): each new token's row per KV head goes straight into its
+cache slot with its scale, no temporaries (the torch path copies, quantizes, then scatters: 350 us
+against 136 us for a float32 write, per layer of a 60-token decode step).
 """
 from __future__ import annotations
 
@@ -25,17 +30,34 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 MIN_ABSMAX = 1e-8  # rows of zeros get this absmax: scale > 0, all-zero int8
 
 
+@njit(inline="always", fastmath={"nnan", "ninf", "nsz", "reassoc"}, boundscheck=False)
+def _quantize_row(x, q, min_absmax):  # type: ignore[no-untyped-def]
+    """One row ``x`` into ``q``; returns its scale."""
+    top = np.float32(0.0)
+    for j in range(x.shape[0]):
+        top = max(top, abs(_as_f32(x[j])))
+    s = max(top, min_absmax) / np.float32(127.0)
+    for j in range(x.shape[0]):
+        q[j] = np.int8(np.round(_as_f32(x[j]) / s))
+    return s
+
+
 @njit(parallel=True, fastmath={"nnan", "ninf", "nsz", "reassoc"}, cache=True, boundscheck=False, nogil=True)
 def _quantize_rows(x, q, scale, min_absmax):  # type: ignore[no-untyped-def]
-    rows, cols = x.shape
-    for i in prange(rows):
-        top = np.float32(0.0)
-        for j in range(cols):
-            top = max(top, abs(_as_f32(x[i, j])))
-        s = max(top, min_absmax) / np.float32(127.0)
-        for j in range(cols):
-            q[i, j] = np.int8(np.round(_as_f32(x[i, j]) / s))
-        scale[i, 0] = s
+    for i in prange(x.shape[0]):
+        scale[i, 0] = _quantize_row(x[i], q[i], min_absmax)
+
+
+@njit(parallel=True, fastmath={"nnan", "ninf", "nsz", "reassoc"}, cache=True, boundscheck=False, nogil=True)
+def _write_kv_int8(key, value, k_cache, v_cache, k_scale, v_scale, slots, min_absmax):  # type: ignore[no-untyped-def]
+    """key/value ``[T, Hkv, D]``; caches ``[slots, Hkv, D]`` int8, scales ``[slots, Hkv]``; slots < 0 skipped."""
+    for t in prange(key.shape[0]):
+        slot = slots[t]
+        if slot < 0:
+            continue
+        for h in range(key.shape[1]):
+            k_scale[slot, h] = _quantize_row(key[t, h], k_cache[slot, h], min_absmax)
+            v_scale[slot, h] = _quantize_row(value[t, h], v_cache[slot, h], min_absmax)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,3 +73,21 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         bits = (x.view(torch.int16) if x.dtype == torch.bfloat16 else x).numpy()
         _quantize_rows(bits, q.numpy(), scale.numpy(), np.float32(MIN_ABSMAX))
     return q, scale
+
+
+def _rows(x: torch.Tensor) -> np.ndarray:
+    """A 3-D float32/bfloat16 tensor as numpy (bf16 as its int16 bits), rows made contiguous if they are not."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    return (x.view(torch.int16) if x.dtype == torch.bfloat16 else x).numpy()
+
+
+def write_kv_int8(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  k_scale: torch.Tensor, v_scale: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``apiary.kernels.reference.write_kv_int8``'s result in one pass (CPU, float32 or bfloat16 K/V)."""
+    if key.device.type != "cpu" or key.dtype not in SUPPORTED_DTYPES or value.dtype != key.dtype:
+        raise KernelError(f"cpu_quant.write_kv_int8 takes CPU {SUPPORTED_DTYPES} K/V, got {key.dtype} on {key.device}")
+    num_blocks, block_size, heads, dim = k_cache.shape
+    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+    _write_kv_int8(_rows(key), _rows(value), k_cache.view(-1, heads, dim).numpy(), v_cache.view(-1, heads, dim).numpy(),
+                   k_scale.view(-1, heads).numpy(), v_scale.view(-1, heads).numpy(),
+                   slot_mapping.to(torch.int64).contiguous().numpy(), np.float32(MIN_ABSMAX))

@@ -2,11 +2,13 @@
 
 ``auto`` (the default) runs the Triton kernels on CUDA tensors and the torch references
 (``apiary.kernels.reference``) everywhere else, except decode attention on CPU, which the numba
-kernel (``apiary.kernels.cpu_attention``) serves for float32 and bfloat16 caches (``decode_backend``),
+kernel (``apiary.kernels.cpu_attention``) serves for float32, bfloat16 and int8 caches (``decode_backend``),
 and per-row int8 quantization of CPU batches (``quantize_rows``, ``apiary.kernels.cpu_quant``).
 ``set_backend("torch"|"triton")`` or the env var ``APIARY_KERNELS=torch|triton`` forces one; forcing Triton on CPU tensors works only under the
 Triton interpreter (``TRITON_INTERPRET=1``), which is how the kernels are tested without a GPU.
-Every bad input raises ``apiary.kernels.errors.KernelError``. Checks look at shapes, dtypes and devices
+int8 KV caches (per-token, per-KV-head float32 scales beside them: ``k_scale``/``v_scale``
+``[num_blocks, block_size, num_kv_heads]``) are a CPU format: the numba kernel and the torch
+references read them; the Triton kernels do not, and refuse them. Every bad input raises ``apiary.kernels.errors.KernelError``. Checks look at shapes, dtypes and devices
 only, never at tensor values, so they cost no device synchronisation.
 """
 from __future__ import annotations
@@ -24,7 +26,8 @@ from apiary.kernels.errors import KernelError
 
 BACKENDS = ("auto", "torch", "triton")
 DECODE_BACKENDS = ("auto", "torch", "triton", "numba")  # paged_decode_attention's per-call ``backend``
-NUMBA_DTYPES = (torch.float32, torch.bfloat16)  # the caches apiary.kernels.cpu_attention serves
+NUMBA_DTYPES = (torch.float32, torch.bfloat16)  # the activations apiary.kernels.cpu_quant serves
+NUMBA_CACHE_DTYPES = (*NUMBA_DTYPES, torch.int8)  # the caches apiary.kernels.cpu_attention serves
 NUMBA_QUANT_MIN_ROWS = 8  # below this numba's call overhead (~20 us) outweighs its single pass (measured)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -81,10 +84,10 @@ def decode_backend(device: torch.device, dtype: torch.dtype, backend: str | None
     name = get_backend() if backend is None else backend
     if name not in DECODE_BACKENDS:
         raise KernelError(f"unknown decode attention backend {name!r}; choose one of {DECODE_BACKENDS}")
-    numba_fits = device.type == "cpu" and dtype in NUMBA_DTYPES and numba_available()
+    numba_fits = device.type == "cpu" and dtype in NUMBA_CACHE_DTYPES and numba_available()
     if name == "numba":
         if not numba_fits:
-            raise KernelError(f"the numba decode kernel serves CPU caches of {NUMBA_DTYPES} with numba installed, "
+            raise KernelError(f"the numba decode kernel serves CPU caches of {NUMBA_CACHE_DTYPES} with numba installed, "
                               f"not {dtype} on {device.type}")
         return "numba"
     if name == "auto" and numba_fits:
@@ -140,19 +143,37 @@ def _check_same_device(**tensors: torch.Tensor) -> torch.device:
     return first
 
 
-def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    _check_tensor("k_cache", k_cache, 4, float_=True)
-    _check_tensor("v_cache", v_cache, 4, float_=True)
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> bool:
+    """Checks a cache pair (and an int8 pair's scales); True if the caches are int8."""
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_tensor(name, cache, 4)
+        _check(cache.dtype in FLOAT_DTYPES or cache.dtype == torch.int8,
+               f"{name} must be float32/float16/bfloat16 or int8, got {cache.dtype}")
     _check(k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype,
            f"k_cache {tuple(k_cache.shape)} {k_cache.dtype} and v_cache {tuple(v_cache.shape)} {v_cache.dtype} differ")
     _check(k_cache.is_contiguous() and v_cache.is_contiguous(),
            "k_cache/v_cache must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]")
+    quantized = k_cache.dtype == torch.int8
+    if not quantized:
+        _check(k_scale is None and v_scale is None, f"k_scale/v_scale go with int8 caches, not {k_cache.dtype} ones")
+        return False
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        _check(isinstance(s, torch.Tensor), f"int8 caches need {name} (float32 [num_blocks, block_size, num_kv_heads])")
+        assert isinstance(s, torch.Tensor)
+        _check(s.dtype == torch.float32 and tuple(s.shape) == tuple(k_cache.shape[:3]) and s.is_contiguous(),
+               f"{name} must be contiguous float32 {tuple(k_cache.shape[:3])}, got {tuple(s.shape)} {s.dtype}")
+        _check(s.device == k_cache.device, f"{name} is on {s.device}, the caches on {k_cache.device}")
+    _check(resolve_backend(k_cache.device) == "torch",
+           "int8 KV caches are read by the CPU kernels (numba, torch references), not by the Triton kernels: "
+           "use a float cache on CUDA")
+    return True
 
 
 def _check_attention(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                      batch: int, scale: float, sliding_window: int | None) -> None:
     _check_tensor("q", q, 3, float_=True)
-    _check(q.dtype == k_cache.dtype, f"q is {q.dtype} but the cache is {k_cache.dtype}")
+    _check(q.dtype == k_cache.dtype or k_cache.dtype == torch.int8, f"q is {q.dtype} but the cache is {k_cache.dtype}")
     _check(q.shape[2] == k_cache.shape[3], f"q head_dim {q.shape[2]} != cache head_dim {k_cache.shape[3]}")
     _check(q.shape[1] % k_cache.shape[2] == 0,
            f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k_cache.shape[2]})")
@@ -171,11 +192,14 @@ def _check_attention(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Scatter ``key``/``value`` ``[T, Hkv, D]`` into the caches at ``slot_mapping[T]``; slots < 0 are skipped."""
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
+    """Scatter ``key``/``value`` ``[T, Hkv, D]`` into the caches at ``slot_mapping[T]``; slots < 0 are skipped.
+
+    Into int8 caches each token's row per KV head is quantized, its scale written to ``k_scale``/``v_scale``."""
     _check_tensor("key", key, 3, float_=True)
     _check_tensor("value", value, 3, float_=True)
-    _check_cache(k_cache, v_cache)
+    quantized = _check_cache(k_cache, v_cache, k_scale, v_scale)
     _check_tensor("slot_mapping", slot_mapping, 1, int_=True)
     _check(key.shape == value.shape, f"key {tuple(key.shape)} and value {tuple(value.shape)} differ")
     _check(tuple(key.shape[1:]) == tuple(k_cache.shape[2:]),
@@ -186,7 +210,13 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     device = _check_same_device(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     if key.shape[0] == 0:
         return
-    if resolve_backend(device) == "triton":
+    if quantized and _numba_serves(key):
+        from apiary.kernels import cpu_quant  # imports numba: only once an int8 cache is written
+
+        cpu_quant.write_kv_int8(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+    elif quantized:
+        reference.write_kv_int8(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+    elif resolve_backend(device) == "triton":
         _triton("kv_cache", device).write_kv(key, value, k_cache, v_cache, slot_mapping)
     else:
         reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
@@ -194,13 +224,14 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
-                           backend: str | None = None) -> torch.Tensor:
+                           backend: str | None = None, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence, ``q[B, Hq, D]``, over its ``context_lens[b]`` cached tokens -> ``[B, Hq, D]``.
 
     ``backend``: this call's choice (``decode_backend``); None follows ``set_backend`` / ``$APIARY_KERNELS``.
     The numba and Triton kernels read ragged lengths as they are; the torch reference pads every
-    sequence to the longest (callers group similar lengths for it)."""
-    _check_cache(k_cache, v_cache)
+    sequence to the longest (callers group similar lengths for it). int8 caches need their scales."""
+    _check_cache(k_cache, v_cache, k_scale, v_scale)
     _check_attention(q, k_cache, block_tables, context_lens, q.shape[0] if isinstance(q, torch.Tensor) else -1,
                      scale, sliding_window)
     device = _check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
@@ -210,35 +241,37 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         from apiary.kernels import cpu_attention  # imports numba: only once a CPU decode runs
 
         return cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, float(scale),
-                                                    sliding_window)
+                                                    sliding_window, k_scale, v_scale)
     if chosen == "triton":
         kernel = _triton("paged_attention", device)
         return kernel.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, float(scale),
                                              sliding_window)
     return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, float(scale),
-                                            sliding_window)
+                                            sliding_window, k_scale, v_scale)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                            sliding_window: int | None = None) -> torch.Tensor:
+                            sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of variable-length new tokens ``q[T, Hq, D]`` over their cached prefix -> ``[T, Hq, D]``.
 
     The new tokens' K/V must already be in the cache. Query i of sequence b sits at position
     ``context_lens[b] - q_len_b + i`` with ``q_len_b = cu_seqlens_q[b+1] - cu_seqlens_q[b]``.
+    int8 caches need their scales.
     """
-    _check_cache(k_cache, v_cache)
+    quantized = _check_cache(k_cache, v_cache, k_scale, v_scale)
     _check_tensor("cu_seqlens_q", cu_seqlens_q, 1, int_=True)
     _check(cu_seqlens_q.shape[0] >= 1, "cu_seqlens_q needs at least one entry (B + 1 offsets)")
     _check_attention(q, k_cache, block_tables, context_lens, cu_seqlens_q.shape[0] - 1, scale, sliding_window)
     device = _check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
                                 cu_seqlens_q=cu_seqlens_q, context_lens=context_lens)
-    if resolve_backend(device) == "triton":
+    if not quantized and resolve_backend(device) == "triton":
         kernel = _triton("paged_attention", device)
         return kernel.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
                                               float(scale), sliding_window)
     return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                                             float(scale), sliding_window)
+                                             float(scale), sliding_window, k_scale, v_scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -278,6 +311,11 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     return reference.apply_rotary(q, k, positions, cos_sin_cache)
 
 
+def _numba_serves(x: torch.Tensor) -> bool:
+    """The numba quantizer takes ``x`` (``auto`` backend, a CPU float32/bfloat16 tensor, numba installed)."""
+    return get_backend() == "auto" and x.device.type == "cpu" and x.dtype in NUMBA_DTYPES and numba_available()
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row (per-token) symmetric int8 of ``x[M, K]``: ``(q int8, scale [M, 1] float32)``, ``x ~= q * scale``.
 
@@ -286,8 +324,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     everything else to the torch reference, which the ``torch`` backend also forces.
     """
     _check_tensor("x", x, 2, float_=True)
-    if (get_backend() == "auto" and x.device.type == "cpu" and x.dtype in NUMBA_DTYPES
-            and x.shape[0] >= NUMBA_QUANT_MIN_ROWS and numba_available()):
+    if _numba_serves(x) and x.shape[0] >= NUMBA_QUANT_MIN_ROWS:
         from apiary.kernels import cpu_quant  # imports numba: only once a CPU quantization runs
 
         return cpu_quant.quantize_rows(x)

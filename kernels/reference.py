@@ -14,7 +14,10 @@ Conventions (shared with the Triton kernels and the engine):
 - query head ``h`` reads KV head ``h // (Hq // Hkv)``;
 - a query at position ``p`` sees key positions ``j <= p`` and, with ``sliding_window=w``,
   only ``j > p - w`` (the ``w`` most recent tokens, itself included);
-- a sequence with ``context_len == 0`` (a padding row) yields zeros.
+- a sequence with ``context_len == 0`` (a padding row) yields zeros;
+- an int8 cache comes with float32 scales ``[num_blocks, block_size, num_kv_heads]``, one per token
+  and KV head (symmetric: ``row ~= q * scale``, ``write_kv_int8``); attention dequantizes the rows it
+  gathers to the query's dtype.
 """
 from __future__ import annotations
 
@@ -34,6 +37,19 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value[keep].to(v_cache.dtype))
 
 
+def write_kv_int8(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  k_scale: torch.Tensor, v_scale: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``write_kv`` into int8 caches: each token's row per KV head quantized on its own (``quantize_rows``),
+    its scale stored beside it. Per token and head, so a block never needs requantizing as it fills."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    for x, cache, scales in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        q, s = quantize_rows(x[keep].reshape(-1, head_dim))
+        cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, q.view(-1, num_kv_heads, head_dim))
+        scales.view(-1, num_kv_heads).index_copy_(0, slots, s.view(-1, num_kv_heads))
+
+
 def _gather_rows(block_tables: torch.Tensor, num_blocks: int, block_size: int, num_kv_heads: int) -> torch.Tensor:
     """Row indices ``[B, Hkv, num_blocks * block_size]`` into a cache viewed as ``[slots * Hkv, D]``."""
     table = block_tables[:, :num_blocks].long().clamp(min=0)  # -1 padding is masked out later
@@ -46,8 +62,12 @@ def _gather_rows(block_tables: torch.Tensor, num_blocks: int, block_size: int, n
 _workspace = threading.local()  # per-thread gather buffers (CPU only) and decode plans
 
 
-def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
+               scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+               dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of each sequence as padded tensors ``[B, Hkv, L, D]``.
+
+    With ``scales`` (int8 caches: ``(k_scale, v_scale)``) the gathered rows are dequantized to ``dtype``.
 
     One ``index_select`` of head rows straight into SDPA's head-major layout: a single copy, and
     no strided K/V for SDPA to trip over (both measured faster on CPU than gather-then-transpose).
@@ -58,7 +78,10 @@ def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor)
     head_dim = k_cache.shape[-1]
     index = rows.flatten()
     n = index.numel()
-    if k_cache.device.type != "cpu":
+    if scales is not None:
+        k, v = (torch.mul(c.view(-1, head_dim).index_select(0, index), s.view(-1, 1).index_select(0, index)).to(dtype)
+                for c, s in ((k_cache, scales[0]), (v_cache, scales[1])))
+    elif k_cache.device.type != "cpu":
         k = k_cache.view(-1, head_dim).index_select(0, index)
         v = v_cache.view(-1, head_dim).index_select(0, index)
     else:
@@ -142,14 +165,19 @@ def _decode_plan(block_tables: torch.Tensor, context_lens: torch.Tensor, block_s
     return plan
 
 
+def _scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    return None if k_scale is None or v_scale is None else (k_scale, v_scale)
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                           context_lens: torch.Tensor, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                           context_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence ``q[B, Hq, D]`` over its ``context_lens[b]`` cached tokens -> ``[B, Hq, D]``."""
     if q.shape[0] == 0:
         return torch.empty_like(q)
     _, block_size, num_kv_heads, _ = k_cache.shape
     rows, allowed, may_be_empty = _decode_plan(block_tables, context_lens, block_size, num_kv_heads, sliding_window)
-    k, v = _gather_kv(k_cache, v_cache, rows)
+    k, v = _gather_kv(k_cache, v_cache, rows, _scales(k_scale, v_scale), q.dtype)
     return _attend_one(q, k, v, allowed, scale, may_be_empty)
 
 
@@ -174,7 +202,8 @@ def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torc
 
 def _prefill_group(q: torch.Tensor, out: torch.Tensor, seqs: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, block_tables: torch.Tensor, starts: torch.Tensor, q_lens: torch.Tensor,
-                   context_lens: torch.Tensor, scale: float, sliding_window: int | None) -> None:
+                   context_lens: torch.Tensor, scale: float, sliding_window: int | None,
+                   scales: tuple[torch.Tensor, torch.Tensor] | None) -> None:
     """Attention for the sequences ``seqs``, padded together to their longest query; writes into ``out``."""
     lens = q_lens[seqs]
     ctx = context_lens[seqs]
@@ -186,7 +215,7 @@ def _prefill_group(q: torch.Tensor, out: torch.Tensor, seqs: torch.Tensor, k_cac
     rows = (starts[seqs][:, None] + i).masked_fill(~valid, 0)
     q_pad = q[rows]  # [G, max_q, Hq, D]; padded rows read token 0 and are dropped below
     rows_kv = _gather_rows(block_tables[seqs], num_blocks, block_size, k_cache.shape[2])
-    k, v = _gather_kv(k_cache, v_cache, rows_kv)
+    k, v = _gather_kv(k_cache, v_cache, rows_kv, scales, q.dtype)
     if sliding_window is None and bool((ctx == lens).all()):
         res = _attend_fresh(q_pad, k[:, :, :max_q], v[:, :, :max_q], scale)
     else:
@@ -212,7 +241,8 @@ def _attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                            sliding_window: int | None = None) -> torch.Tensor:
+                            sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Variable-length causal attention of new tokens ``q[T, Hq, D]`` over their cached prefix -> ``[T, Hq, D]``.
 
     Query i of sequence b sits at position ``context_lens[b] - q_len_b + i``. Sequences are grouped by
@@ -232,7 +262,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     bucket = torch.where(live, 2 * torch.ceil(torch.log2(q_lens.clamp(min=1).double())).long() + continues, -1)
     for b in torch.unique(bucket[live]).tolist():
         seqs = torch.nonzero(bucket == b).flatten()
-        _prefill_group(q, out, seqs, k_cache, v_cache, block_tables, starts, q_lens, ctx, scale, sliding_window)
+        _prefill_group(q, out, seqs, k_cache, v_cache, block_tables, starts, q_lens, ctx, scale, sliding_window,
+                       _scales(k_scale, v_scale))
     return out
 
 

@@ -10,6 +10,7 @@ from apiary.cloud.engine.spec.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHTS = ("dtype", "int8")
+KV_CACHE_DTYPES = ("auto", "int8")
 
 
 @dataclass(slots=True)
@@ -20,6 +21,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto: float32 on CPU (the correctness reference), bfloat16 on CUDA
     # decoder projections' weights: in ``dtype``, or "int8" (W8A8 with SmoothQuant, CPU only: cloud.engine.int8)
     weights: str = "dtype"
+    # the KV cache: "auto" stores rows in ``dtype``; "int8" stores int8 rows with per-token, per-head scales
+    # (CPU only: cloud.engine.kv_cache), about 2x the tokens of bf16 and 4x those of float32 per byte
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     kv_cache_bytes: int | None = None  # KV pool budget; None: 1 GiB on CPU, 90% of free memory on CUDA
     max_num_batched_tokens: int = 1024  # token budget per step (chunked prefill keeps decodes flowing)
@@ -45,6 +49,8 @@ class EngineConfig:
             raise EngineError(f"EngineConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.weights not in WEIGHTS:
             raise EngineError(f"EngineConfig.weights must be one of {WEIGHTS}, got {self.weights!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise EngineError(f"EngineConfig.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise EngineError(f"EngineConfig.preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.cpu_attention not in ("numba", "torch"):

@@ -312,6 +312,7 @@ PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
 def calibrate(model: LlamaModel, prompts: Iterable[list[int]], block_size: int = 16) -> list[dict[str, torch.Tensor]]:
     """Per layer, per projection: the largest |input| of each input channel over ``prompts`` (token ids),
     run through ``model`` in its current (floating-point) weights on a scratch KV cache."""
+    from apiary.cloud.engine.kv_cache import KVPool
     from apiary.cloud.engine.model import paged_layout
 
     c = model.config
@@ -324,12 +325,10 @@ def calibrate(model: LlamaModel, prompts: Iterable[list[int]], block_size: int =
             if len(ids) < 2:
                 raise EngineError("calibration prompts need at least 2 tokens")
             blocks = -(-len(ids) // block_size)
-            shape = (blocks, block_size, c.num_kv_heads, c.head_dim)
-            caches = [(torch.zeros(shape, dtype=model.dtype, device=model.device),
-                       torch.zeros(shape, dtype=model.dtype, device=model.device)) for _ in model.layers]
+            pool = KVPool(c.num_layers, blocks, block_size, c.num_kv_heads, c.head_dim, model.dtype, model.device)
             positions, meta, _ = paged_layout(np.array([0]), np.array([len(ids)]), [list(range(blocks))],
                                               block_size, 0, model.device)
-            model.forward(torch.tensor(ids, device=model.device), positions, meta, caches)
+            model.forward(torch.tensor(ids, device=model.device), positions, meta, pool.layers)
     finally:
         for layer, obs in zip(model.layers, observers):
             for name, o in obs.items():

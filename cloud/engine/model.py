@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from apiary.cloud.engine.config import ModelConfig
 from apiary.cloud.engine.errors import EngineError, StepInterrupted
 from apiary.cloud.engine.int8 import Int8Linear
+from apiary.cloud.engine.kv_cache import LayerKV
 from apiary.cloud.engine.linear import Linear
 from apiary.kernels import ops
 
@@ -160,20 +161,20 @@ class LlamaModel:
         c = config
         self.qkv_split = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
 
-    def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   meta: AttentionMetadata) -> torch.Tensor:
+    def _attention(self, q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
         nd, window = meta.num_decode_tokens, self.config.sliding_window
-        parts = [ops.paged_decode_attention(q[a:b], k_cache, v_cache, meta.decode_block_tables[a:b],
-                                            meta.decode_context_lens[a:b], self.scale, window, self.decode_backend)
+        parts = [ops.paged_decode_attention(q[a:b], kv.k, kv.v, meta.decode_block_tables[a:b],
+                                            meta.decode_context_lens[a:b], self.scale, window, self.decode_backend,
+                                            kv.k_scale, kv.v_scale)
                  for a, b in (meta.decode_groups or ([(0, nd)] if nd else []))]
         if nd < q.shape[0]:
-            parts.append(ops.paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables,
+            parts.append(ops.paged_prefill_attention(q[nd:], kv.k, kv.v, meta.prefill_block_tables,
                                                      meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
-                                                     self.scale, window))
+                                                     self.scale, window, kv.k_scale, kv.v_scale))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                kv_caches: list[LayerKV],
                 should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
         """Final-normed hidden states ``[T, hidden]`` of the new tokens; their K/V land in ``kv_caches``.
 
@@ -184,7 +185,7 @@ class LlamaModel:
         t = input_ids.shape[0]
         x = F.embedding(input_ids, self.embed)
         residual: torch.Tensor | None = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for layer, kv in zip(self.layers, kv_caches):
             if residual is not None and should_stop is not None and should_stop():
                 raise StepInterrupted
             if residual is None:
@@ -194,8 +195,8 @@ class LlamaModel:
             q, k, v = layer.qkv(h).split(self.qkv_split, dim=-1)
             q, k = ops.apply_rotary(q.view(t, c.num_heads, c.head_dim), k.view(t, c.num_kv_heads, c.head_dim),
                                     positions, self.cos_sin)
-            ops.write_kv(k, v.view(t, c.num_kv_heads, c.head_dim), k_cache, v_cache, meta.slot_mapping)
-            attn = self._attention(q, k_cache, v_cache, meta)
+            ops.write_kv(k, v.view(t, c.num_kv_heads, c.head_dim), kv.k, kv.v, meta.slot_mapping, kv.k_scale, kv.v_scale)
+            attn = self._attention(q, kv, meta)
             x = layer.o_proj(attn.reshape(t, -1))
             h, residual = ops.rms_norm(x, layer.post_norm, c.rms_norm_eps, residual)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)

@@ -13,6 +13,7 @@ import torch
 from apiary.cloud.engine.config import EngineConfig
 from apiary.cloud.engine.errors import EngineError
 from apiary.cloud.engine import host_memory, int8, threads
+from apiary.cloud.engine.kv_cache import KVPool, bytes_per_token
 from apiary.cloud.engine.loader import Checkpoint
 from apiary.cloud.engine.model import AttentionMetadata, LlamaModel, paged_layout
 from apiary.cloud.engine.scheduler import ScheduledBatch
@@ -57,6 +58,9 @@ class ModelRunner:
                 self.governor = threads.ThreadGovernor(n, lambda free: throttle.on() if free < n else throttle.off())
         if config.weights == "int8" and self.device.type != "cpu":
             raise EngineError("weights='int8' is a CPU path (oneDNN int8 GEMM); on CUDA use dtype bfloat16")
+        if config.kv_cache_dtype == "int8" and self.device.type != "cpu":
+            raise EngineError("kv_cache_dtype='int8' is a CPU path (the numba and torch attention kernels read it, "
+                              "Triton's do not); on CUDA leave it 'auto'")
         self.dtype = resolve_dtype(config, self.device)
         if self.device.type == "cpu":
             flags = cpu.host_flags()
@@ -69,15 +73,19 @@ class ModelRunner:
                                 cpu_attention_backend=config.cpu_attention)
         if config.weights == "int8":
             self._quantize(config, checkpoint)
-        self.bytes_per_block = 2 * mc.num_layers * config.block_size * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
+        quantized_kv = config.kv_cache_dtype == "int8"
+        self.bytes_per_block = config.block_size * bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                                                                   self.dtype, quantized_kv)
         budget = config.kv_cache_bytes or self._default_kv_bytes()
         self.num_blocks = budget // self.bytes_per_block
         if self.num_blocks < 1:
             raise EngineError(f"kv_cache_bytes={budget} holds no {self.bytes_per_block}-byte block")
         # One allocation for the whole pool (on huge pages where the host allows): per layer, K and V are views.
-        pool = host_memory.zeros((mc.num_layers, 2, self.num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim),
-                                 self.dtype, self.device)
-        self.kv_caches = [(pool[layer, 0], pool[layer, 1]) for layer in range(mc.num_layers)]
+        self.kv_pool = KVPool(mc.num_layers, self.num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
+                              self.dtype, self.device, quantized_kv)
+        self.kv_caches = self.kv_pool.layers
+        log.info("KV cache: %d blocks of %d tokens, %s rows (%d bytes per token)", self.num_blocks, config.block_size,
+                 str(self.kv_pool.dtype).removeprefix("torch."), self.bytes_per_block // config.block_size)
         self.generator = torch.Generator().manual_seed(config.seed)
 
     def _quantize(self, config: EngineConfig, checkpoint: Checkpoint) -> None:
@@ -164,14 +172,9 @@ class ModelRunner:
     # ------------------------------------------------------------ swap
 
     def swap_out(self, seq: Sequence, blocks: list[int]) -> None:
-        index = torch.tensor(blocks, device=self.device)
-        seq.swapped_kv = torch.stack([torch.stack((k[index], v[index])) for k, v in self.kv_caches]).to("cpu")
+        seq.swapped_kv = self.kv_pool.copy_out(blocks)
 
     def swap_in(self, seq: Sequence, blocks: list[int]) -> None:
-        assert seq.swapped_kv is not None and seq.swapped_kv.shape[2] == len(blocks)
-        index = torch.tensor(blocks, device=self.device)
-        data = seq.swapped_kv.to(self.device)
-        for layer, (k, v) in enumerate(self.kv_caches):
-            k[index] = data[layer, 0]
-            v[index] = data[layer, 1]
+        assert seq.swapped_kv is not None
+        self.kv_pool.copy_in(blocks, seq.swapped_kv)
         seq.swapped_kv = None

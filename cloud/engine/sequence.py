@@ -35,7 +35,7 @@ class Sequence:
     waited_steps: int = 0
     generator: torch.Generator | None = None
     num_swapped_blocks: int = 0  # blocks of K/V parked in host memory (swap-mode preemption)
-    swapped_kv: torch.Tensor | None = None  # that host copy, filled by the model runner
+    swapped_kv: tuple[torch.Tensor, ...] | None = None  # that host copy (KVPool.copy_out), kept by the model runner
     finish_reason: FinishReason | None = None
     grammar: Any = None  # the llguidance matcher of a structured request (see cloud.engine.structured)
     logprobs: list[Any] = field(default_factory=list)  # per output token, sampling.TokenLogprob when asked for

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,7 @@ def test_a_tiny_run_with_background_reports_contention_cpu_use_and_features(tmp_
     monkeypatch.chdir(tmp_path)
     app = typer.Typer()
     app.command()(bench_engine.command)
-    result = CliRunner().invoke(app, ["--model", str(model), "--systems", "engine", "--requests", "3",
+    result = CliRunner().invoke(app, ["--model", str(model), "--systems", "engine,engine-kv8", "--requests", "3",
                                       "--prompt-tokens", "8-16", "--output-tokens", "4-8", "--threads", "1",
                                       "--background", "1", "--dtype", "float32"])
     assert result.exit_code == 0, result.output
@@ -57,6 +58,11 @@ def test_a_tiny_run_with_background_reports_contention_cpu_use_and_features(tmp_
     assert record["machine"]["cpu_features"] == cpu.relevant(cpu.host_flags())
     assert record["engine_threads"].startswith("1 threads (affinity")  # --threads 1 reached the engine
     assert "features:" in result.output
+    kv8 = dict(zip(record["columns"], record["rows"][1]))  # the same engine with int8 KV rows: more tokens per byte
+    assert kv8["system"] == "engine-kv8" and kv8["output tok"] == record["rows"][0][1]
+    held = re.search(r"int8 KV cache \(([\d,]+) tokens in 2 GiB against ([\d,]+) with float32 rows\)",
+                     record["systems"]["engine-kv8"])
+    assert held and int(held[1].replace(",", "")) > 2 * int(held[2].replace(",", "")), record["systems"]
     floor = record["matmul_floor"]["engine"]  # bench.floor: its projection FLOPs at this CPU's float32 rate
     assert record["columns"][-2:] == ["matmul floor s", "% of floor"]
     assert floor["dtype"] == "float32" and floor["gflops"] > 0 and floor["seconds"] > 0

@@ -71,3 +71,30 @@ def tolerance(dtype: torch.dtype) -> dict[str, float]:
     """Comparison tolerances: fp32 is tight, half types are limited by their 8/11-bit mantissas."""
     return {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3),
             torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}[dtype]
+
+
+@dataclass(slots=True)
+class Int8Case:
+    """``case``'s caches written through ``ops.write_kv`` into int8 caches with their scales; ``dequantized`` is
+    the same case with the float rows the int8 ones stand for (the oracle's input)."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    dequantized: PagedCase
+
+
+def quantize_case(case: PagedCase) -> Int8Case:
+    from dataclasses import replace
+
+    from apiary.kernels import ops
+
+    num_blocks, block_size, heads, dim = case.k_cache.shape
+    k, v = (torch.zeros(case.k_cache.shape, dtype=torch.int8) for _ in range(2))
+    ks, vs = (torch.zeros(case.k_cache.shape[:3]) for _ in range(2))
+    ops.write_kv(case.k_cache.view(-1, heads, dim), case.v_cache.view(-1, heads, dim), k, v,
+                 torch.arange(num_blocks * block_size), ks, vs)
+    deq = replace(case, k_cache=(k.float() * ks[..., None]).to(case.q.dtype),
+                  v_cache=(v.float() * vs[..., None]).to(case.q.dtype))
+    return Int8Case(k, v, ks, vs, deq)

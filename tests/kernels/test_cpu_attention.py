@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from apiary.kernels import cpu_attention, ops, reference
 from apiary.kernels.errors import KernelError
-from tests.kernels.cases import dense_attention, make_case, tolerance
+from tests.kernels.cases import dense_attention, make_case, quantize_case, tolerance
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -27,6 +27,37 @@ def test_matches_dense_attention(ctx, hq, hkv, d, bs, window, dtype):
                                                case.context_lens, case.scale, window)
     assert out.dtype == dtype and out.shape == case.q.shape
     torch.testing.assert_close(out.double(), dense_attention(case, window), **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ctx,hq,hkv,d,bs,window", [
+    ([1, 16, 17, 100], 8, 2, 32, 16, None),
+    ([33, 7, 90], 4, 4, 32, 16, 10),
+    ([5, 200, 41, 41, 1, 0], 9, 3, 64, 16, None),  # SmolLM2's head layout, and an empty sequence
+])
+def test_int8_caches_attend_over_the_rows_they_stand_for(ctx, hq, hkv, d, bs, window, dtype):
+    """With int8 caches the kernel computes exact attention over the dequantized rows (the scales applied
+    once per token, outside the inner loops), as the torch reference does, and lands near the float result."""
+    case = make_case(ctx, [1] * len(ctx), hq, hkv, d, bs, dtype)
+    q8 = quantize_case(case)
+    args = (case.q, q8.k_cache, q8.v_cache, case.block_tables, case.context_lens, case.scale, window)
+    out = cpu_attention.paged_decode_attention(*args, q8.k_scale, q8.v_scale)
+    assert out.dtype == dtype and out.shape == case.q.shape
+    torch.testing.assert_close(out.double(), dense_attention(q8.dequantized, window), **tolerance(dtype))
+    ref = reference.paged_decode_attention(*args, q8.k_scale, q8.v_scale)
+    torch.testing.assert_close(out, ref, **tolerance(dtype))
+    assert (out.double() - dense_attention(case, window)).abs().max() < 0.05  # int8 rows: ~0.4% of the range
+
+
+def test_int8_caches_need_their_scales_and_float_caches_take_none():
+    case = make_case([4], [1], 2, 1, 16)
+    q8 = quantize_case(case)
+    with pytest.raises(KernelError, match="int8 caches need k_scale and v_scale"):
+        cpu_attention.paged_decode_attention(case.q, q8.k_cache, q8.v_cache, case.block_tables, case.context_lens,
+                                             case.scale)
+    with pytest.raises(KernelError, match="float caches take none"):
+        cpu_attention.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens,
+                                             case.scale, None, q8.k_scale, q8.v_scale)
 
 
 def test_is_closer_to_exact_than_the_bf16_reference():
@@ -85,6 +116,7 @@ def test_ops_serves_cpu_decode_from_this_kernel():
     cpu = torch.device("cpu")
     assert ops.decode_backend(cpu, torch.float32, "auto") == "numba"
     assert ops.decode_backend(cpu, torch.bfloat16, "auto") == "numba"
+    assert ops.decode_backend(cpu, torch.int8, "auto") == "numba"
     assert ops.decode_backend(cpu, torch.float16, "auto") == "torch"
     assert ops.decode_backend(cpu, torch.float32, "torch") == "torch"
     with pytest.raises(KernelError, match="numba decode kernel"):

@@ -1,4 +1,5 @@
-"""The numba per-row int8 quantizer (behind ``ops.quantize_rows`` on CPU) against the torch reference."""
+"""The numba per-row int8 quantizer (behind ``ops.quantize_rows`` on CPU) and its fused int8 KV-cache write
+(behind ``ops.write_kv`` into int8 caches) against the torch references."""
 from __future__ import annotations
 
 import pytest
@@ -53,3 +54,40 @@ def test_bad_input_is_refused() -> None:
         ops.quantize_rows(torch.ones(2, 3, dtype=torch.int32))
     with pytest.raises(KernelError, match="2-D CPU"):
         cpu_quant.quantize_rows(torch.randn(4, 4, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_int8_kv_write_is_identical_to_the_reference(dtype: torch.dtype) -> None:
+    """Strided K/V (views into a fused qkv row, as the model passes them), a skipped slot, a zero row."""
+    g = torch.Generator().manual_seed(3)
+    qkv = (torch.randn(20, 9 * 16, generator=g) * 4).to(dtype)
+    key, value = qkv[:, 3 * 16:6 * 16].view(20, 3, 16), qkv[:, 6 * 16:].view(20, 3, 16)
+    assert not key.is_contiguous()
+    key[5, 1] = 0.0
+    slots = torch.randperm(40, generator=g)[:20]
+    slots[7] = -1
+    caches = [[torch.full((10, 4, 3, 16), 9, dtype=torch.int8) for _ in range(2)] +
+              [torch.full((10, 4, 3), 2.0) for _ in range(2)] for _ in range(2)]
+    cpu_quant.write_kv_int8(key, value, *caches[0], slots)
+    reference.write_kv_int8(key, value, *caches[1], slots)
+    for ours, ref in zip(*caches):
+        assert torch.equal(ours, ref)
+    assert int((caches[0][0] != 9).any(-1).any(-1).sum()) == 19  # every slot but the skipped one was written
+    with pytest.raises(KernelError, match="write_kv_int8 takes CPU"):
+        cpu_quant.write_kv_int8(key.half(), value.half(), *caches[0], slots)
+
+
+def test_ops_writes_int8_caches_through_the_fused_kernel(restore_backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    for module in (cpu_quant, reference):
+        original = module.write_kv_int8
+        monkeypatch.setattr(module, "write_kv_int8",
+                            lambda *a, _f=original, _n=module.__name__: (calls.append(_n.rsplit(".", 1)[1]), _f(*a)))
+    key = torch.randn(4, 2, 8)
+    args = (key, key, torch.zeros(2, 4, 2, 8, dtype=torch.int8), torch.zeros(2, 4, 2, 8, dtype=torch.int8),
+            torch.arange(4), torch.zeros(2, 4, 2), torch.zeros(2, 4, 2))
+    ops.set_backend("auto")
+    ops.write_kv(*args[:5], k_scale=args[5], v_scale=args[6])
+    ops.set_backend("torch")
+    ops.write_kv(*args[:5], k_scale=args[5], v_scale=args[6])
+    assert calls == ["cpu_quant", "reference"]

@@ -6,7 +6,7 @@ import torch
 
 from apiary.kernels import ops, reference
 from apiary.kernels.errors import KernelError
-from tests.kernels.cases import make_case
+from tests.kernels.cases import make_case, quantize_case
 
 
 @pytest.fixture
@@ -131,3 +131,28 @@ def test_empty_batches_are_fine():
     k_cache = torch.zeros(2, 4, 2, 8)
     ops.write_kv(torch.randn(0, 2, 8), torch.randn(0, 2, 8), k_cache, k_cache.clone(), torch.zeros(0, dtype=torch.long))
     assert not k_cache.any()
+
+
+def test_int8_caches_come_with_their_scales_and_stay_off_triton(restore_backend, monkeypatch):
+    c = make_case([20, 3], [1, 1], 6, 2, 16)
+    q8 = quantize_case(c)
+    decode = (c.q, q8.k_cache, q8.v_cache, c.block_tables, c.context_lens, c.scale)
+    with pytest.raises(KernelError, match="int8 caches need k_scale"):
+        ops.paged_decode_attention(*decode)
+    with pytest.raises(KernelError, match="k_scale must be contiguous float32"):
+        ops.paged_decode_attention(*decode, k_scale=q8.k_scale.double(), v_scale=q8.v_scale)
+    with pytest.raises(KernelError, match="v_scale must be contiguous float32"):
+        ops.paged_decode_attention(*decode, k_scale=q8.k_scale, v_scale=q8.v_scale[:1])
+    with pytest.raises(KernelError, match="go with int8 caches"):
+        ops.paged_decode_attention(c.q, c.k_cache, c.v_cache, c.block_tables, c.context_lens, c.scale,
+                                   k_scale=q8.k_scale, v_scale=q8.v_scale)
+    with pytest.raises(KernelError, match="int8 caches need k_scale"):
+        ops.write_kv(c.q[:, :2], c.q[:, :2], q8.k_cache, q8.v_cache, torch.tensor([0, 1]))
+    scales = dict(k_scale=q8.k_scale, v_scale=q8.v_scale)
+    assert torch.equal(ops.paged_decode_attention(*decode, backend="torch", **scales),
+                       reference.paged_decode_attention(*decode, None, q8.k_scale, q8.v_scale))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if ops.triton_available():
+        ops.set_backend("triton")
+        with pytest.raises(KernelError, match="not by the Triton kernels"):
+            ops.paged_decode_attention(*decode, **scales)

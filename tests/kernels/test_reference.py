@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from apiary.kernels import reference
-from tests.kernels.cases import dense_attention, make_case, tolerance
+from tests.kernels.cases import dense_attention, make_case, quantize_case, tolerance
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -31,6 +31,35 @@ def test_prefill_reference_matches_dense(shape, dtype):
                                             case.cu_seqlens_q, case.context_lens, case.scale, window)
     assert out.dtype == dtype and out.shape == case.q.shape
     torch.testing.assert_close(out.double(), dense_attention(case, window), **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", PREFILL_SHAPES)
+def test_prefill_over_int8_caches_matches_dense_over_their_rows(shape, dtype):
+    ctx, q_lens, hq, hkv, d, bs, window = shape
+    case = make_case(ctx, q_lens, hq, hkv, d, bs, dtype)
+    q8 = quantize_case(case)
+    out = reference.paged_prefill_attention(case.q, q8.k_cache, q8.v_cache, case.block_tables, case.cu_seqlens_q,
+                                            case.context_lens, case.scale, window, q8.k_scale, q8.v_scale)
+    assert out.dtype == dtype and out.shape == case.q.shape
+    torch.testing.assert_close(out.double(), dense_attention(q8.dequantized, window), **tolerance(dtype))
+
+
+def test_write_kv_int8_keeps_each_row_within_half_a_step_of_its_scale():
+    """Each token's row per KV head gets its own scale (absmax / 127): the stored int8 times the scale is
+    within half a quantization step of the row; skipped slots stay untouched; a row of zeros stays zeros."""
+    k_cache, v_cache = (torch.zeros(4, 4, 2, 8, dtype=torch.int8) for _ in range(2))
+    k_scale, v_scale = (torch.zeros(4, 4, 2) for _ in range(2))
+    key, value = torch.randn(3, 2, 8) * torch.tensor([1.0, 30.0])[:, None], torch.randn(3, 2, 8)
+    key[2, 1] = 0.0
+    reference.write_kv_int8(key, value, k_cache, v_cache, k_scale, v_scale, torch.tensor([13, -1, 0]))
+    for token, (block, offset) in ((0, (3, 1)), (2, (0, 0))):
+        for x, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+            step = x[token].abs().amax(-1).clamp(min=1e-8) / 127
+            torch.testing.assert_close(scale[block, offset], step)
+            assert ((cache[block, offset].float() * step[:, None] - x[token]).abs() <= step[:, None] / 2 + 1e-6).all()
+    assert torch.equal(k_cache[0, 0, 1], torch.zeros(8, dtype=torch.int8))
+    assert int((k_scale != 0).sum()) == int((v_scale != 0).sum()) == 4  # two tokens x two heads, nothing for slot -1
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

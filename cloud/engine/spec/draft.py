@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from apiary.cloud.engine import host_memory
+from apiary.cloud.engine.kv_cache import KVPool
 from apiary.cloud.engine.block_manager import BlockManager
 from apiary.cloud.engine.errors import EngineError
 from apiary.cloud.engine.loader import Checkpoint, load_checkpoint
@@ -76,9 +76,8 @@ class DraftProposer:
         c = model.config
         self.block_size = block_size
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
-        pool = host_memory.zeros((c.num_layers, 2) + shape, model.dtype, model.device)
-        self.kv_caches = [(pool[layer, 0], pool[layer, 1]) for layer in range(c.num_layers)]
+        self.kv_caches = KVPool(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, model.dtype,
+                                model.device).layers
         self.states: dict[Sequence, Sequence] = {}  # target sequence -> its draft shadow
 
     @classmethod

@@ -178,20 +178,27 @@ def test_generate_keeps_other_requests_outputs(tiny_llama: Path) -> None:
     assert len([t for o in seen for t in o.new_token_ids]) == 40  # nothing was dropped while generate() ran
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_same_greedy_tokens_alone_batched_cached_and_preempted(tiny_llama: Path, mode: str) -> None:
+def test_same_greedy_tokens_alone_batched_cached_and_preempted(tiny_llama: Path, mode: str,
+                                                               kv_cache_dtype: str) -> None:
+    """Also with int8 KV rows: their scales travel with them through the prefix cache and swap."""
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     texts = [("hive sensor report: " * 4) + t for t in prompts(16, seed=11, max_words=12)]  # shared prefix
-    roomy = engine_for(tiny_llama, kv_cache_bytes=8 << 20, enable_prefix_caching=False)
+    kv = dict(kv_cache_dtype=kv_cache_dtype)
+    roomy = engine_for(tiny_llama, kv_cache_bytes=8 << 20, enable_prefix_caching=False, **kv)
     alone = [roomy.generate(t, params)[0].output_token_ids for t in texts]
     batched = roomy.generate(texts, params)
     assert [o.output_token_ids for o in batched] == alone
-    cached = engine_for(tiny_llama, kv_cache_bytes=8 << 20)
+    cached = engine_for(tiny_llama, kv_cache_bytes=8 << 20, **kv)
     cached.generate(texts[:1], params)
     warm = cached.generate(texts, params)
     assert cached.metrics()["prefix_hit_rate"] > 0.2
     assert [o.output_token_ids for o in warm] == alone
-    tight = engine_for(tiny_llama, kv_cache_bytes=64 * 1024, preemption_mode=mode, max_num_batched_tokens=48)
+    # as many blocks as 64 KiB of float32 rows hold, whatever the rows are stored as
+    tight_blocks = 64 * 1024 // engine_for(tiny_llama).runner.bytes_per_block
+    tight = engine_for(tiny_llama, kv_cache_bytes=tight_blocks * roomy.runner.bytes_per_block, preemption_mode=mode,
+                       max_num_batched_tokens=48, **kv)
     squeezed = tight.generate(texts, params)
     metrics = tight.metrics()
     assert metrics["preemptions"] > 0

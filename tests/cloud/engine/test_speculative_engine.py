@@ -23,6 +23,7 @@ from apiary.cloud.engine.spec.batching import Entry, build_inputs
 from apiary.cloud.engine.sampling import sampling_probs
 from tests.cloud.engine.test_speculative_units import chi_square_pvalue, tiny_weights
 from apiary.cloud.engine.config import ModelConfig
+from apiary.cloud.engine.kv_cache import KVPool
 
 VOCAB = 8
 PROMPT = [1, 2, 3, 1, 2]
@@ -67,8 +68,7 @@ def exact_pair_distribution(engine: LLMEngine, prompt: list[int], params: Sampli
     prefixes = [prompt] + [prompt + [a] for a in range(VOCAB)] + [prompt + [a, b] for a in range(VOCAB)
                                                                    for b in range(VOCAB)]
     width = -(-(len(prompt) + 2) // 4)
-    caches = [(torch.zeros(len(prefixes) * width, 4, 2, 8), torch.zeros(len(prefixes) * width, 4, 2, 8))
-              for _ in range(model.config.num_layers)]
+    caches = KVPool(model.config.num_layers, len(prefixes) * width, 4, 2, 8, torch.float32, torch.device("cpu")).layers
     entries = [Entry(p, 0, list(range(i * width, (i + 1) * width))) for i, p in enumerate(prefixes)]
     inputs = build_inputs(entries, 4, torch.device("cpu"))
     hidden = model.forward(inputs.input_ids, inputs.positions, inputs.meta, caches)

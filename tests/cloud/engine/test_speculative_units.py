@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from apiary.cloud.engine.config import ModelConfig
 from apiary.cloud.engine.errors import EngineError
+from apiary.cloud.engine.kv_cache import KVPool
 from apiary.cloud.engine.model import LlamaModel
 from apiary.cloud.engine.outputs import RequestMetrics
 from apiary.cloud.engine.sampling_params import SamplingParams
@@ -375,7 +376,7 @@ def reference_greedy(model: LlamaModel, tokens: list[int], k: int) -> list[int]:
     for _ in range(k):
         text = tokens + out
         blocks = -(-len(text) // 4)
-        caches = [(torch.zeros(blocks, 4, 2, 8), torch.zeros(blocks, 4, 2, 8)) for _ in range(TINY.num_layers)]
+        caches = KVPool(TINY.num_layers, blocks, 4, 2, 8, torch.float32, torch.device("cpu")).layers
         inputs = build_inputs([Entry(text, 0, list(range(blocks)))], 4, torch.device("cpu"))
         hidden = model.forward(inputs.input_ids, inputs.positions, inputs.meta, caches)
         out.append(int(model.logits(hidden[-1:]).argmax()))
