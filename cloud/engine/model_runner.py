@@ -87,6 +87,17 @@ class ModelRunner:
         log.info("KV cache: %d blocks of %d tokens, %s rows (%d bytes per token)", self.num_blocks, config.block_size,
                  str(self.kv_pool.dtype).removeprefix("torch."), self.bytes_per_block // config.block_size)
         self.generator = torch.Generator().manual_seed(config.seed)
+        self.warm_up()
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """One decode row and one prefill row through block 0 before the engine serves anything: the first
+        call of each kernel in a process loads it (numba's, from its on-disk cache, took 0.37 s for the int8
+        KV write), and the first request should not pay for that. Block 0 is free now and whoever gets it
+        rewrites its slots, so the garbage left there is never read."""
+        positions, meta, _ = paged_layout(np.zeros(2, dtype=np.int64), np.ones(2, dtype=np.int64), [[0], [0]],
+                                          self.block_size, 1, self.device)
+        self.model.forward(torch.zeros(2, dtype=torch.int64, device=self.device), positions, meta, self.kv_caches)
 
     def _quantize(self, config: EngineConfig, checkpoint: Checkpoint) -> None:
         """W8A8 projections, SmoothQuant factors from a calibration pass over fixed prompts (``int8``)."""
