@@ -132,7 +132,7 @@ def _run_edge(cases: list[Case], settings: Any, model: Any) -> None:
 
 
 def _run_cloud(cases: list[Case], model_path: str, dtype: str, max_tokens: int,
-               adapter: str | None) -> tuple[str | None, str | None]:
+               adapter: str | None, weights: str = "dtype", kv_cache_dtype: str = "auto") -> tuple[str | None, str | None]:
     """Cloud-tier answers for every case that needs one, in the engine's prompt style.
     Returns (why it was skipped or None, the cloud's prompt style)."""
     try:
@@ -144,7 +144,8 @@ def _run_cloud(cases: list[Case], model_path: str, dtype: str, max_tokens: int,
         return f"cloud engine not importable ({e}); cloud-only and cascade rows skipped", None
     from apiary.shared.prompting import build_messages
 
-    llm = LLMEngine(EngineConfig(model_path=model_path, dtype=dtype, adapter_path=adapter))
+    llm = LLMEngine(EngineConfig(model_path=model_path, dtype=dtype, adapter_path=adapter, weights=weights,
+                                 kv_cache_dtype=kv_cache_dtype))
     engine = AsyncEngine(llm)
     style = engine.prompt_style
     todo = [c for c in cases if c.needs_answer]
@@ -484,6 +485,8 @@ def command(
         "auto", help="LoRA adapter for the cloud engine: auto (the shipped teacher adapter), none, or a folder "
                      "(apiary finetune); its prompt style is the cloud's"),
     cloud_dtype: str = typer.Option("float32", help="cloud engine dtype (float32 | bfloat16)"),
+    cloud_weights: str = typer.Option("dtype", help="cloud engine's decoder weights: dtype | int8 (W8A8)"),
+    cloud_kv_cache_dtype: str = typer.Option("auto", help="cloud engine's KV cache rows: auto (= dtype) | int8"),
     cloud_max_tokens: int = typer.Option(128, help="max tokens per cloud answer"),
     skip_cloud: bool = typer.Option(False, help="edge only (no cloud engine)"),
     thread_prompts: int = typer.Option(6, help="prompts for the 1-vs-2 thread comparison (0: skip)"),
@@ -533,7 +536,8 @@ def command(
         print("cloud pass ...")
         t0 = time.perf_counter()
         skipped, cloud_style = _run_cloud(cases, base_gguf, cloud_dtype, cloud_max_tokens,
-                                          str(adapter) if adapter is not None else None)
+                                          str(adapter) if adapter is not None else None, cloud_weights,
+                                          cloud_kv_cache_dtype)
         cloud_s = time.perf_counter() - t0
     if skipped:
         print(skipped)
@@ -621,7 +625,8 @@ def command(
     extra = {"runtime": runtime, "threshold": _num(threshold), "max_escalated": max_escalated,
              "edge": {"model": edge_gguf, "prompt_style": edge_style, "prompt_style_source": edge_style_source},
              "cloud": {"skipped": skipped, "model": base_gguf, "adapter": str(adapter) if adapter else None,
-                       "prompt_style": cloud_style, "dtype": cloud_dtype,
+                       "prompt_style": cloud_style, "dtype": cloud_dtype, "weights": cloud_weights,
+                       "kv_cache_dtype": cloud_kv_cache_dtype,
                        **({"pass_s": cloud_s} if not skipped else {})},
              "calibration": {"n": len(by_split[CALIBRATION]),
                              "answered": sum(c.needs_answer for c in by_split[CALIBRATION]),

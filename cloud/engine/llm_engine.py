@@ -368,6 +368,8 @@ class LLMEngine:
             "requests_running": len(self.scheduler.running), "requests_waiting": len(self.scheduler.waiting),
             "kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_blocks - bm.num_free_blocks,
             "kv_blocks_free": bm.num_free_blocks, "kv_blocks_cached_free": len(bm.evictable),
+            "kv_cache_tokens": bm.num_blocks * bm.block_size,  # what the pool holds (int8 rows: ~2-4x more)
+            "kv_cache_bytes_per_token": self.runner.bytes_per_block // bm.block_size,
             "preemptions": self.scheduler.num_preemptions,
             "interrupted_steps": self.stats.interrupted_steps,
             **(self.speculator.metrics() if self.speculator is not None else {}),

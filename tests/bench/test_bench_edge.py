@@ -128,7 +128,8 @@ def test_command_defaults_write_json_and_pngs(gguf_path, tmp_path, monkeypatch):
 @pytest.mark.timeout(1200)
 def test_command_with_adapter_and_short_edge_prompt(gguf_path, tmp_path, monkeypatch):
     """A (zero) LoRA adapter tuned for the short prompt: the cloud asks in its style, the edge in the
-    one asked for; both send ~300-token prompts instead of ~1,400."""
+    one asked for; both send ~300-token prompts instead of ~1,400. The cloud engine keeps int8 KV rows
+    (--cloud-kv-cache-dtype), which the record says."""
     import torch
 
     from apiary.cli import app
@@ -141,7 +142,7 @@ def test_command_with_adapter_and_short_edge_prompt(gguf_path, tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(app, ["bench", "edge", "--limit", "2", "--thread-prompts", "0",
                                       "--grammar-prompts", "0", "--edge-prompt-style", "short",
-                                      "--cloud-adapter", str(folder)])
+                                      "--cloud-adapter", str(folder), "--cloud-kv-cache-dtype", "int8"])
     assert result.exit_code == 0, result.output
     results = tmp_path / "results" / "bench"
     record = json.loads((results / "edge.json").read_text())
@@ -149,6 +150,7 @@ def test_command_with_adapter_and_short_edge_prompt(gguf_path, tmp_path, monkeyp
     assert record["edge"]["prompt_style"] == "short" and record["cloud"]["prompt_style"] == "short"
     assert record["edge"]["prompt_style_source"] == "argument"
     assert record["cloud"]["adapter"] == str(folder)
+    assert record["cloud"]["kv_cache_dtype"] == "int8" and record["cloud"]["weights"] == "dtype"
     answered = [s for s in record["splits"].values() if s["answered"]]
     assert answered
     for split in answered:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -60,12 +61,15 @@ def test_serve_reports_an_unreachable_broker_before_loading_the_model(tmp_path, 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_serve_subprocess_end_to_end(tmp_path, gguf_path, mosquitto):
-    """The real command: loads the model, prints URL + key, answers REST and MQTT, leaves a death certificate."""
+    """The real command: loads the model, prints URL + key, answers REST and MQTT, leaves a death certificate.
+    With --kv-cache-dtype int8 its 32 MiB KV cache holds int8 rows: 12,240 bytes per token (SmolLM2: 30 layers x
+    K and V x 3 heads x (64 + a 4-byte scale)), as /metrics says."""
     env = {**os.environ, "APIARY__CLOUD__KV_CACHE_MB": "32", "APIARY__CLOUD__MAX_MODEL_LEN": "256",
            "APIARY_LOG_LEVEL": "WARNING"}
     cmd = [sys.executable, "-c", "from apiary.cli import app; app()", "cloud", "serve", "--port", "0",
            "--model", str(gguf_path), "--broker", mosquitto.config.url, "--db", str(tmp_path / "c.db"),
-           "--api-key-file", str(tmp_path / "keys.jsonl"), "--images", str(tmp_path / "img"), "--worker-id", "cli-w"]
+           "--api-key-file", str(tmp_path / "keys.jsonl"), "--images", str(tmp_path / "img"), "--worker-id", "cli-w",
+           "--kv-cache-dtype", "int8"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     states: list = []
     edge = MqttTransport(mosquitto.config, "cli-edge", persistent=False)
@@ -76,6 +80,11 @@ def test_serve_subprocess_end_to_end(tmp_path, gguf_path, mosquitto):
         r = httpx.post(f"{url}/v1/completions", headers=auth, timeout=60,
                        json={"prompt": "Honey bees live in a", "max_tokens": 3, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        metrics = httpx.get(f"{url}/metrics", headers=auth, timeout=10).text
+        per_token = re.search(r"^apiary_engine_kv_cache_bytes_per_token\S* (\S+)$", metrics, re.M)
+        tokens = re.search(r"^apiary_engine_kv_cache_tokens\S* (\S+)$", metrics, re.M)
+        assert per_token and float(per_token[1]) == 12240, metrics[-2000:]
+        assert tokens and float(tokens[1]) == (32 << 20) // (16 * 12240) * 16
         replies: list = []
         edge.subscribe(topics.reply("farm", "h1"), lambda t, e: replies.append(e))
         edge.subscribe(topics.state(topics.CLOUD_SITE, "cli-w"), lambda t, e: states.append(e.body))
