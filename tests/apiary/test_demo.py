@@ -26,19 +26,13 @@ def _processes_mentioning(text: str) -> list[str]:
     return found
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1100)
-def test_demo_runs_every_tier_and_cleans_up(tmp_path: Path, gguf_path: Path) -> None:
-    results = tmp_path / "demo-results"
-    proc = subprocess.run(
-        [sys.executable, "-m", "apiary", "demo", "--duration", "30", "--sites", "2", "--devices", "2",
-         "--rate", "2", "--drain", "420", "--no-live", "--results", str(results)],
-        capture_output=True, text=True, timeout=1000)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    runs = list(results.iterdir())
-    assert len(runs) == 1
-    summary = json.loads((runs[0] / "summary.json").read_text())
-    assert (runs[0] / "latency.png").stat().st_size > 0
+def check_a_whole_run(run: Path, stdout: str, devices: int) -> None:
+    """What a full `apiary demo` run (``run``: its results folder; ``stdout``: what it printed) must show: events
+    through every tier, answers from edge and cloud graded per tier, the rollout to all ``devices`` done with
+    no event lost during the swaps, and no process left behind. The README's step-1 test runs the demo as
+    written and calls this (one demo run for both)."""
+    summary = json.loads((run / "summary.json").read_text())
+    assert (run / "latency.png").stat().st_size > 0
 
     # events flowed bridge -> broker -> edge; answers came from both tiers; nothing answered twice
     assert summary["events"] > 0 and summary["events"] == summary["frames_sent"]
@@ -55,25 +49,25 @@ def test_demo_runs_every_tier_and_cleans_up(tmp_path: Path, gguf_path: Path) -> 
     assert summary["engine"], "no engine metrics from the cloud's /metrics endpoint"
 
     # halfway through (or once the cloud is up, if later), a freshly signed image of the edges' model went to every
-    # device through the REST API: one canary, then the other three; every device committed it and runs it, and
-    # the events that arrived while the agents swapped models (none when the cloud came up after the traffic) were
+    # device through the REST API: a canary wave, then the others; every device committed it and runs it, and the
+    # events that arrived while the agents swapped models (none when the cloud came up after the traffic) were
     # each answered exactly once
     rollout = summary["rollout"]
     assert rollout["started"] and rollout["state"] == "completed", rollout
-    assert rollout["image_version"].endswith("-demo") and rollout["waves"] == 2 and len(rollout["canary"]) == 1
-    assert rollout["committed"] == rollout["devices"] == 4 and rollout["rolled_back"] == 0, rollout
-    assert rollout["outcomes"] == {"committed": 4} and rollout["seconds"] > 0
+    assert rollout["image_version"].endswith("-demo") and rollout["waves"] == 2 and 1 <= len(rollout["canary"]) < devices
+    assert rollout["committed"] == rollout["devices"] == devices and rollout["rolled_back"] == 0, rollout
+    assert rollout["outcomes"] == {"committed": devices} and rollout["seconds"] > 0
     assert {d["image_version"] for d in summary["devices"].values()} == {rollout["image_version"]}, summary["devices"]
     assert {d["ota_phase"] for d in summary["devices"].values()} == {"committed"}
     during = rollout["during"]
     assert during["unanswered"] == 0 and during["double_answers"] == 0, during
     assert during["answered_once"] == during["needing_answer"], during
-    assert f"rollout of {rollout['image_version']}" in proc.stdout
-    assert "devices committed / rolled back / all" in proc.stdout
-    assert (runs[0] / "images" / rollout["filename"]).is_file() and (runs[0] / "keys" / "demo-image.pub").is_file()
+    assert f"rollout of {rollout['image_version']}" in stdout
+    assert "devices committed / rolled back / all" in stdout
+    assert (run / "images" / rollout["filename"]).is_file() and (run / "keys" / "demo-image.pub").is_file()
 
     # shutdown left no process behind (every component's command line names the run folder)
-    assert _processes_mentioning(str(results)) == []
+    assert _processes_mentioning(f"{run.parent.name}/{run.name}") == []
 
 
 def test_simulate_run_with_a_broker_maps_hives_to_sites_as_the_demo_does(tmp_path: Path) -> None:

@@ -22,9 +22,11 @@ from apiary.shared.config import MqttConfig
 from apiary.shared.hostname import host_name
 from apiary.shared.protocol import Envelope
 from apiary.shared.transport import MqttTransport
+from tests.apiary.test_demo import check_a_whole_run
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
+DEMO_DEVICES = 6  # `apiary demo`'s default fleet: 3 sites x 2 hives, one edge agent each
 STEP_1_TRAFFIC_S = 40  # the demo's --duration in the step 1 test: long enough for step 2 to run against it
 
 
@@ -170,7 +172,8 @@ def _json_documents(text: str) -> list:
 def test_steps_1_and_2_run_as_written_and_answers_arrive(tmp_path: Path) -> None:
     """Step 1's block run by bash in a fresh folder, with a short --duration added; while it runs, step 2's curl
     block (bash, with the URL and KEY the demo's `export` line gives) and its Python block. The demo answers every
-    event that needed one before it exits, says so in its summary, and no component logs error noise."""
+    event that needed one before it exits, says so in its summary, and no component logs error noise; the run
+    shows everything test_demo.check_a_whole_run asks (both tiers, the rollout, no process left)."""
     demo = walkthrough_step(1)
     assert re.match(r"\.venv/bin/apiary demo\b", demo.strip()), demo
     script = re.sub(r"(\.venv/bin/apiary demo)\b", rf"\1 --duration {STEP_1_TRAFFIC_S}", demo, count=1)
@@ -208,6 +211,7 @@ def test_steps_1_and_2_run_as_written_and_answers_arrive(tmp_path: Path) -> None
     summary = json.loads(summary_path.read_text())
     assert summary["unanswered"] == 0 and summary["left_unanswered"] == [] and summary["drain"]["complete"]
     assert summary["first_answer_after_launch_s"] is not None and summary["answers_by_tier"].get("edge", 0) > 0
+    check_a_whole_run(summary_path.parent, out, DEMO_DEVICES)  # everything tests/apiary/test_demo.py asks of a run
     for path in [log, *summary_path.parent.glob("logs/*.log")]:
         noisy = [line for line in path.read_text(errors="replace").splitlines() if any(n in line for n in NOISE)]
         assert not noisy, (path.name, noisy)

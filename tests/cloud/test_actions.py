@@ -92,9 +92,9 @@ def _situations(n: int, seed: int):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_cloud_answers_real_situations_with_valid_actions(idle_engine):
-    """12 simulator situations (every label twice), one batched run: every answer is a valid Action in the
+    """6 simulator situations (every label once), one batched run: every answer is a valid Action in the
     schema's field order, with a finite confidence <= 0 scored on its decision tokens."""
-    situations = _situations(12, 7)
+    situations = _situations(6, 7)
     assert {s.label for s in situations} == set(ASSESSMENTS)
 
     async def run() -> list[ActionOutcome]:

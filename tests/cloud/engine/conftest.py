@@ -48,6 +48,15 @@ def real_engine(gguf_path: Path) -> LLMEngine:
                                   max_num_batched_tokens=512))
 
 
+@pytest.fixture(scope="session")
+def gate_references(real_engine: LLMEngine) -> list[tuple[list[int], torch.Tensor]]:
+    """The fp32 engine's picks on the int8 accuracy gates' texts (``test_int8.gate_positions``), computed once for
+    the int8 weights' and the int8 KV cache's gates."""
+    from tests.cloud.engine.test_int8 import gate_positions
+
+    return gate_positions(real_engine)
+
+
 def prompt_logits(engine: LLMEngine, token_ids: list[int], chunk: int | None = None,
                   use_prefix_cache: bool = True) -> tuple[int, torch.Tensor]:
     """``(cached, logits)``: logits ``[len(token_ids) - cached, vocab]`` for the prompt positions the engine
