@@ -188,10 +188,13 @@ def needs_fast_int8() -> None:
         pytest.skip(f"no fast int8 GEMM on this host ({choice.reason})")
 
 
-def test_an_int8_engine_serves_batches(tiny_qwen2: Path) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_an_int8_engine_serves_batches(tiny_qwen2: Path, kv_cache_dtype: str) -> None:
+    """Also with int8 KV rows: the two int8 options compose (calibration runs on a float pool of its own)."""
     needs_fast_int8()
     engine = LLMEngine(EngineConfig(model_path=tiny_qwen2, dtype="float32", weights="int8", kv_cache_bytes=4 << 20,
-                                    block_size=8))
+                                    block_size=8, kv_cache_dtype=kv_cache_dtype))
+    assert engine.runner.kv_pool.quantized == (kv_cache_dtype == "int8")
     assert all(isinstance(layer.qkv, int8.Int8Linear) and isinstance(layer.down, int8.Int8Linear)
                for layer in engine.runner.model.layers)
     with pytest.raises(EngineError, match="already quantized"):
