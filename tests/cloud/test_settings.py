@@ -24,6 +24,9 @@ def test_bad_values(tmp_path):
         load_settings(None, worker_id="has space")
     with pytest.raises(CloudError, match="unknown_key|extra"):
         load_settings(None, unknown_key=1)
+    with pytest.raises(CloudError, match="kv_cache_dtype"):
+        load_settings(None, kv_cache_dtype="fp8")
+    assert load_settings(None, kv_cache_dtype="int8").kv_cache_dtype == "int8"
 
 
 def test_model_name_and_resolution(tmp_path):
