@@ -86,7 +86,7 @@ def write_kv_int8(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     """``apiary.kernels.reference.write_kv_int8``'s result in one pass (CPU, float32 or bfloat16 K/V)."""
     if key.device.type != "cpu" or key.dtype not in SUPPORTED_DTYPES or value.dtype != key.dtype:
         raise KernelError(f"cpu_quant.write_kv_int8 takes CPU {SUPPORTED_DTYPES} K/V, got {key.dtype} on {key.device}")
-    num_blocks, block_size, heads, dim = k_cache.shape
+    heads, dim = k_cache.shape[2:]
     numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
     _write_kv_int8(_rows(key), _rows(value), k_cache.view(-1, heads, dim).numpy(), v_cache.view(-1, heads, dim).numpy(),
                    k_scale.view(-1, heads).numpy(), v_scale.view(-1, heads).numpy(),

@@ -7,9 +7,10 @@ and per-row int8 quantization of CPU batches (``quantize_rows``, ``apiary.kernel
 ``set_backend("torch"|"triton")`` or the env var ``APIARY_KERNELS=torch|triton`` forces one; forcing Triton on CPU tensors works only under the
 Triton interpreter (``TRITON_INTERPRET=1``), which is how the kernels are tested without a GPU.
 int8 KV caches (per-token, per-KV-head float32 scales beside them: ``k_scale``/``v_scale``
-``[num_blocks, block_size, num_kv_heads]``) are a CPU format: the numba kernel and the torch
-references read them; the Triton kernels do not, and refuse them. Every bad input raises ``apiary.kernels.errors.KernelError``. Checks look at shapes, dtypes and devices
-only, never at tensor values, so they cost no device synchronisation.
+``[num_blocks, block_size, num_kv_heads]``) are a CPU format: the numba kernels and the torch
+references read and write them; the Triton kernels do not, and such calls are refused.
+Every bad input raises ``apiary.kernels.errors.KernelError``. Checks look at shapes, dtypes and
+devices only, never at tensor values, so they cost no device synchronisation.
 """
 from __future__ import annotations
 
