@@ -1,10 +1,18 @@
 """Fixtures shared by every test room: the real model file and real MQTT brokers."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Iterator
 
 import pytest
+
+# pytest puts the checkout first on sys.path (for ``tests.*``), where its folders would shadow installed
+# distributions of the same top-level name: transformers >= 5.25 imports Hugging Face's ``kernels`` and
+# found our kernels/ instead. Our rooms import as ``apiary.*`` (the editable install's finder), so the
+# checkout moves to the end: ``tests`` is already imported, and nothing installed is shadowed.
+_CHECKOUT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _CHECKOUT] + [str(_CHECKOUT)]
 
 from apiary.shared import assets
 from apiary.shared.brokers import EmbeddedBroker, MosquittoBroker

@@ -110,3 +110,21 @@ def test_importing_the_namespace_leaves_no_bare_room_in_sys_modules() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_the_checkout_does_not_shadow_installed_distributions_in_the_test_process() -> None:
+    """pytest runs from the checkout, whose kernels/ once shadowed Hugging Face's ``kernels`` (which
+    transformers >= 5.25 imports): the checkout must come after site-packages on sys.path."""
+    import importlib.metadata
+    import importlib.util
+
+    positions = [i for i, p in enumerate(sys.path) if Path(p or ".").resolve() == ROOT]
+    site = [i for i, p in enumerate(sys.path) if p.endswith("site-packages")]
+    assert site and all(i > max(site) for i in positions), sys.path
+    try:
+        importlib.metadata.distribution("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("no distribution named kernels is installed here")
+    spec = importlib.util.find_spec("kernels")
+    assert spec is not None and spec.origin is not None
+    assert not Path(spec.origin).resolve().is_relative_to(ROOT / "kernels")
