@@ -271,8 +271,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         kernel = _triton("paged_attention", device)
         return kernel.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
                                               float(scale), sliding_window)
+    dequantize = None
+    if quantized and _numba_serves(q):
+        from apiary.kernels import cpu_quant  # imports numba: only once an int8 cache is read
+
+        dequantize = cpu_quant.gather_dequantize  # int8 rows into the gather buffer in one pass, same values
     return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                                             float(scale), sliding_window, k_scale, v_scale)
+                                             float(scale), sliding_window, k_scale, v_scale, dequantize)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

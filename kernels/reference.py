@@ -22,9 +22,23 @@ Conventions (shared with the Triton kernels and the engine):
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+# A fused int8 gather (``apiary.kernels.cpu_quant.gather_dequantize``): (cache, scale, row index, out) -> None
+Dequantize = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Int8Scales:
+    """An int8 cache's K and V scales, and the fused gather that dequantizes its rows (None: torch ops)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    dequantize: Dequantize | None = None
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -62,12 +76,25 @@ def _gather_rows(block_tables: torch.Tensor, num_blocks: int, block_size: int, n
 _workspace = threading.local()  # per-thread gather buffers (CPU only) and decode plans
 
 
+def _workspace_kv(dtype: torch.dtype, n: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two ``[n, head_dim]`` views of this thread's reused gather buffer for ``dtype`` (see ``_gather_kv``)."""
+    buffers = getattr(_workspace, "buffers", None)
+    if buffers is None:
+        buffers = _workspace.buffers = {}
+    # inference-mode tensors cannot be written outside inference mode (and vice versa): one buffer each
+    key = (dtype, torch.is_inference_mode_enabled())
+    buf = buffers.get(key)
+    if buf is None or buf.numel() < 2 * n * head_dim:
+        buf = buffers[key] = torch.empty(2 * n * head_dim, dtype=dtype)
+    return buf[:n * head_dim].view(n, head_dim), buf[n * head_dim:2 * n * head_dim].view(n, head_dim)
+
+
 def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
-               scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-               dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               scales: Int8Scales | None = None, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of each sequence as padded tensors ``[B, Hkv, L, D]``.
 
-    With ``scales`` (int8 caches: ``(k_scale, v_scale)``) the gathered rows are dequantized to ``dtype``.
+    With ``scales`` (int8 caches) the gathered rows are dequantized to ``dtype``: by torch ops, or by
+    the fused gather the scales name (``Int8Scales.dequantize``, CPU) straight into the buffer below.
 
     One ``index_select`` of head rows straight into SDPA's head-major layout: a single copy, and
     no strided K/V for SDPA to trip over (both measured faster on CPU than gather-then-transpose).
@@ -78,22 +105,18 @@ def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
     head_dim = k_cache.shape[-1]
     index = rows.flatten()
     n = index.numel()
-    if scales is not None:
+    if scales is not None and scales.dequantize is not None and k_cache.device.type == "cpu":
+        k, v = _workspace_kv(dtype, n, head_dim)
+        scales.dequantize(k_cache, scales.k, index, k)
+        scales.dequantize(v_cache, scales.v, index, v)
+    elif scales is not None:
         k, v = (torch.mul(c.view(-1, head_dim).index_select(0, index), s.view(-1, 1).index_select(0, index)).to(dtype)
-                for c, s in ((k_cache, scales[0]), (v_cache, scales[1])))
+                for c, s in ((k_cache, scales.k), (v_cache, scales.v)))
     elif k_cache.device.type != "cpu":
         k = k_cache.view(-1, head_dim).index_select(0, index)
         v = v_cache.view(-1, head_dim).index_select(0, index)
     else:
-        buffers = getattr(_workspace, "buffers", None)
-        if buffers is None:
-            buffers = _workspace.buffers = {}
-        # inference-mode tensors cannot be written outside inference mode (and vice versa): one buffer each
-        key = (k_cache.dtype, torch.is_inference_mode_enabled())
-        buf = buffers.get(key)
-        if buf is None or buf.numel() < 2 * n * head_dim:
-            buf = buffers[key] = torch.empty(2 * n * head_dim, dtype=k_cache.dtype)
-        k, v = buf[:n * head_dim].view(n, head_dim), buf[n * head_dim:2 * n * head_dim].view(n, head_dim)
+        k, v = _workspace_kv(k_cache.dtype, n, head_dim)
         torch.index_select(k_cache.view(-1, head_dim), 0, index, out=k)
         torch.index_select(v_cache.view(-1, head_dim), 0, index, out=v)
     return k.view(*rows.shape, head_dim), v.view(*rows.shape, head_dim)
@@ -165,8 +188,9 @@ def _decode_plan(block_tables: torch.Tensor, context_lens: torch.Tensor, block_s
     return plan
 
 
-def _scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    return None if k_scale is None or v_scale is None else (k_scale, v_scale)
+def _scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+            dequantize: Dequantize | None) -> Int8Scales | None:
+    return None if k_scale is None or v_scale is None else Int8Scales(k_scale, v_scale, dequantize)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -177,7 +201,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return torch.empty_like(q)
     _, block_size, num_kv_heads, _ = k_cache.shape
     rows, allowed, may_be_empty = _decode_plan(block_tables, context_lens, block_size, num_kv_heads, sliding_window)
-    k, v = _gather_kv(k_cache, v_cache, rows, _scales(k_scale, v_scale), q.dtype)
+    k, v = _gather_kv(k_cache, v_cache, rows, _scales(k_scale, v_scale, None), q.dtype)
     return _attend_one(q, k, v, allowed, scale, may_be_empty)
 
 
@@ -203,7 +227,7 @@ def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torc
 def _prefill_group(q: torch.Tensor, out: torch.Tensor, seqs: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, block_tables: torch.Tensor, starts: torch.Tensor, q_lens: torch.Tensor,
                    context_lens: torch.Tensor, scale: float, sliding_window: int | None,
-                   scales: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+                   scales: Int8Scales | None) -> None:
     """Attention for the sequences ``seqs``, padded together to their longest query; writes into ``out``."""
     lens = q_lens[seqs]
     ctx = context_lens[seqs]
@@ -242,8 +266,10 @@ def _attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float,
                             sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
-                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                            v_scale: torch.Tensor | None = None, dequantize: Dequantize | None = None) -> torch.Tensor:
     """Variable-length causal attention of new tokens ``q[T, Hq, D]`` over their cached prefix -> ``[T, Hq, D]``.
+
+    int8 caches come with ``k_scale``/``v_scale``; ``dequantize`` is a fused gather for their rows (CPU).
 
     Query i of sequence b sits at position ``context_lens[b] - q_len_b + i``. Sequences are grouped by
     query length in power-of-two buckets, so a mixed batch (one long prefill chunk beside many
@@ -263,7 +289,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     for b in torch.unique(bucket[live]).tolist():
         seqs = torch.nonzero(bucket == b).flatten()
         _prefill_group(q, out, seqs, k_cache, v_cache, block_tables, starts, q_lens, ctx, scale, sliding_window,
-                       _scales(k_scale, v_scale))
+                       _scales(k_scale, v_scale, dequantize))
     return out
 
 

@@ -91,3 +91,43 @@ def test_ops_writes_int8_caches_through_the_fused_kernel(restore_backend, monkey
     ops.set_backend("torch")
     ops.write_kv(*args[:5], k_scale=args[5], v_scale=args[6])
     assert calls == ["cpu_quant", "reference"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_int8_gather_is_identical_to_the_torch_ops(dtype: torch.dtype) -> None:
+    """Rows picked out of order (and twice), every int8 value, scales over many magnitudes."""
+    g = torch.Generator().manual_seed(5)
+    cache = torch.randint(-128, 128, (6, 4, 3, 16), dtype=torch.int8, generator=g)
+    cache.view(-1)[:256] = torch.arange(-128, 128, dtype=torch.int8)
+    scale = torch.exp(torch.randn(6, 4, 3, generator=g) * 8)
+    index = torch.randint(0, 6 * 4 * 3, (50,), generator=g)
+    index[1] = index[0]
+    out = torch.full((50, 16), 7.0, dtype=dtype)
+    cpu_quant.gather_dequantize(cache, scale, index, out)
+    expected = torch.mul(cache.view(-1, 16).index_select(0, index), scale.view(-1, 1).index_select(0, index)).to(dtype)
+    assert torch.equal(out, expected)
+    with pytest.raises(KernelError, match=r"contiguous \[50, 16\]"):
+        cpu_quant.gather_dequantize(cache, scale, index, torch.empty(50, 16, dtype=torch.float16))
+    with pytest.raises(KernelError, match="one float32 scale per row"):
+        cpu_quant.gather_dequantize(cache.float(), scale, index, out)
+
+
+def test_ops_prefills_over_int8_caches_through_the_fused_gather(restore_backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The auto backend gathers int8 rows with the numba kernel, the torch backend with torch ops: same output."""
+    calls: list[int] = []
+    original = cpu_quant.gather_dequantize
+    monkeypatch.setattr(cpu_quant, "gather_dequantize", lambda *a: (calls.append(a[2].numel()), original(*a)))
+    g = torch.Generator().manual_seed(8)
+    k_cache, v_cache = (torch.randint(-127, 128, (8, 4, 2, 16), dtype=torch.int8, generator=g) for _ in range(2))
+    k_scale, v_scale = (torch.rand(8, 4, 2, generator=g) for _ in range(2))
+    tables = torch.tensor([[0, 3, 5, -1], [2, 7, -1, -1]], dtype=torch.int32)
+    cu, ctx = torch.tensor([0, 5, 6], dtype=torch.int32), torch.tensor([13, 6], dtype=torch.int32)
+    outs = []
+    for backend in ("auto", "torch"):
+        ops.set_backend(backend)
+        for dtype in (torch.float32, torch.bfloat16):
+            q = torch.randn(6, 4, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
+            outs.append(ops.paged_prefill_attention(q, k_cache, v_cache, tables, cu, ctx, 0.25,
+                                                    k_scale=k_scale, v_scale=v_scale))
+    assert calls and len(calls) % 2 == 0  # K and V, for each group of sequences, on the auto backend only
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
