@@ -128,3 +128,20 @@ def test_the_checkout_does_not_shadow_installed_distributions_in_the_test_proces
     spec = importlib.util.find_spec("kernels")
     assert spec is not None and spec.origin is not None
     assert not Path(spec.origin).resolve().is_relative_to(ROOT / "kernels")
+
+
+def test_python_dash_m_apiary_from_the_checkout_does_not_shadow_installed_distributions() -> None:
+    """``python -m apiary`` in a checkout puts it first on sys.path; ``apiary/__main__.py`` moves it last."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("no distribution named kernels is installed here")
+    code = ("import importlib.util, runpy, sys\nsys.argv = ['apiary', '--help']\n"
+            "try:\n    runpy.run_module('apiary', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "print('KERNELS', importlib.util.find_spec('kernels').origin)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    origin = out.stdout.rsplit("KERNELS ", 1)[1].strip()
+    assert not Path(origin).resolve().is_relative_to(ROOT / "kernels"), origin
