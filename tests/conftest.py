@@ -14,9 +14,48 @@ import pytest
 _CHECKOUT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _CHECKOUT] + [str(_CHECKOUT)]
 
+import os
+
 from apiary.shared import assets
 from apiary.shared.brokers import EmbeddedBroker, MosquittoBroker
 from tests.shared.helpers import AclBroker
+
+
+MAX_WORKERS = 4  # each worker loads its own real engines and llama.cpp models (1-3 GB at their peak)
+WORKER_MEMORY = 4 << 30  # bytes of available memory per worker
+
+
+def xdist_workers(cpus: int, available_memory: int | None) -> int:
+    """``-n auto``'s worker count: one per usable CPU, at most MAX_WORKERS, and no more than memory holds.
+
+    Why: nearly every slow test (real models, subprocess drills) keeps one CPU busy, so on the 2-CPU
+    hosts CI lands on the serial suite took ~26 minutes and two workers ~15.5 (docs/benchmarks.md
+    "The test suite").
+    """
+    n = min(max(1, cpus), MAX_WORKERS)
+    if available_memory is not None:
+        n = min(n, max(1, available_memory // WORKER_MEMORY))
+    return n
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """pytest-xdist's hook for ``-n auto`` (pyproject's addopts): CPUs from the affinity mask, not the host's count."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return xdist_workers(cpus, _available_memory())
 
 
 @pytest.fixture(scope="session")
