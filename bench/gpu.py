@@ -45,17 +45,22 @@ class Step:
     result: dict[str, Any] = field(default_factory=dict)
 
 
+# The test step runs in one process, not on pyproject's xdist workers: one GPU, one CUDA context and one
+# Triton compile per kernel instead of one per worker, inside a budget of minutes.
+IN_PROCESS = ("-n", "0")
+
+
 def plan(folder: Path, *, rehearse: bool, engine_batch: int, iters: int, model: str) -> list[Step]:
     """The steps in order; ``rehearse`` swaps CUDA work for its CPU stand-ins."""
     junit = folder / "tests.xml"
     py = sys.executable
     if rehearse:
         tests = [py, "-m", "pytest", str(ROOT / "tests" / "kernels" / "test_ops.py"), "-q", "-p", "no:cacheprovider",
-                 f"--junitxml={junit}"]
+                 *IN_PROCESS, f"--junitxml={junit}"]
         kernels = [py, "-m", "apiary", "bench", "kernels", "--device", "cpu", "--interpret"]
     else:
         tests = [py, "-m", "pytest", str(ROOT / "tests" / "kernels"), str(ROOT / "tests" / "cloud" / "engine"), "-q",
-                 "-p", "no:cacheprovider", "-k", "cuda", f"--junitxml={junit}"]
+                 "-p", "no:cacheprovider", *IN_PROCESS, "-k", "cuda", f"--junitxml={junit}"]
         kernels = [py, "-m", "apiary", "bench", "kernels", "--iters", str(iters), "--engine-batch",
                    str(engine_batch), "--engine-prompt", "128", "--engine-tokens", "128",
                    *(["--model", model] if model else [])]

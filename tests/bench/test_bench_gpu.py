@@ -62,3 +62,11 @@ def test_a_measurement_is_judged_against_the_issue_targets() -> None:
     assert gpu.verdicts([step])[0][-1] == "yes"
     step.result = {**summary, "engine_tok_s": 12000.0}
     assert gpu.verdicts([step])[0][-1] == "no"
+
+
+@pytest.mark.parametrize("rehearse", [True, False])
+def test_the_test_step_runs_in_one_process_not_on_xdist_workers(tmp_path: Path, rehearse: bool) -> None:
+    """pyproject's addopts spread pytest over workers; on the GPU that would be one CUDA context and one
+    Triton compile per worker, so the step asks for ``-n 0``."""
+    argv = gpu.plan(tmp_path, rehearse=rehearse, engine_batch=8, iters=2, model="")[0].argv
+    assert argv[argv.index("-n") + 1] == "0"
