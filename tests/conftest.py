@@ -29,7 +29,7 @@ def xdist_workers(cpus: int, available_memory: int | None) -> int:
     """``-n auto``'s worker count: one per usable CPU, at most MAX_WORKERS, and no more than memory holds.
 
     Why: nearly every slow test (real models, subprocess drills) keeps one CPU busy, so on the 2-CPU
-    hosts CI lands on the serial suite took ~26 minutes and two workers ~15.5 (docs/benchmarks.md
+    hosts CI lands on the serial suite took 24 minutes and two workers 15.5 (docs/benchmarks.md
     "The test suite").
     """
     n = min(max(1, cpus), MAX_WORKERS)
