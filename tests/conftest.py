@@ -1,6 +1,7 @@
 """Fixtures shared by every test room: the real model file and real MQTT brokers."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Iterator
@@ -13,8 +14,6 @@ import pytest
 # checkout moves to the end: ``tests`` is already imported, and nothing installed is shadowed.
 _CHECKOUT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _CHECKOUT] + [str(_CHECKOUT)]
-
-import os
 
 from apiary.shared import assets
 from apiary.shared.brokers import EmbeddedBroker, MosquittoBroker
@@ -50,7 +49,10 @@ def _available_memory() -> int | None:
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """pytest-xdist's hook for ``-n auto`` (pyproject's addopts): CPUs from the affinity mask, not the host's count."""
+    """pytest-xdist's hook for ``-n auto`` (pyproject's addopts): CPUs from the affinity mask, not the host's count.
+
+    Not ``apiary.cloud.engine.threads.affinity_cpus``: importing the engine package sets its OpenMP
+    environment and loads torch in the controller, which every worker would inherit."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
