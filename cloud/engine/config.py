@@ -36,6 +36,7 @@ class EngineConfig:
     aging_steps: int = 256  # a waiting request gains one priority level per this many engine steps
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's default
     cpu_attention: Literal["numba", "torch"] = "numba"  # CPU decode attention: numba kernel or torch reference
+    cuda_graphs: bool = True  # CUDA + Triton: decode steps replay captured graphs (cloud.engine.cuda_graphs)
     seed: int = 0  # for requests that sample without their own seed
     speculative: SpeculativeConfig | None = None  # None: plain decoding (see docs/speculative.md)
 
@@ -55,6 +56,8 @@ class EngineConfig:
             raise EngineError(f"EngineConfig.preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.cpu_attention not in ("numba", "torch"):
             raise EngineError(f"EngineConfig.cpu_attention must be 'numba' or 'torch', got {self.cpu_attention!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise EngineError(f"EngineConfig.cuda_graphs must be a bool, got {self.cuda_graphs!r}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise EngineError(f"EngineConfig.kv_cache_bytes must be > 0, got {self.kv_cache_bytes!r}")
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):

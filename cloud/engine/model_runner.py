@@ -13,12 +13,13 @@ import torch
 from apiary.cloud.engine.config import EngineConfig
 from apiary.cloud.engine.errors import EngineError
 from apiary.cloud.engine import host_memory, int8, threads
+from apiary.cloud.engine.cuda_graphs import DecodeGraphs
 from apiary.cloud.engine.kv_cache import KVPool, bytes_per_token
 from apiary.cloud.engine.loader import Checkpoint
 from apiary.cloud.engine.model import AttentionMetadata, LlamaModel, paged_layout
 from apiary.cloud.engine.scheduler import ScheduledBatch
 from apiary.cloud.engine.sequence import Sequence
-from apiary.kernels import cpu
+from apiary.kernels import cpu, ops
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,11 @@ class ModelRunner:
                  str(self.kv_pool.dtype).removeprefix("torch."), self.bytes_per_block // config.block_size)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.warm_up()
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and config.cuda_graphs and ops.resolve_backend(self.device) == "triton":
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs, max_model_len,
+                                       config.block_size, self.device)
+            self.graphs.capture()
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -163,7 +169,7 @@ class ModelRunner:
         if not batch.seqs:
             return [], None, None
         input_ids, positions, meta, last_rows = self.prepare(batch)
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, should_stop)
+        hidden = self._forward(input_ids, positions, meta, should_stop)
         sampled = [s for s, row in zip(batch.seqs, last_rows) if row >= 0]
         spec_logits = None
         if verify:
@@ -173,6 +179,17 @@ class ModelRunner:
         if not sampled:
             return [], None, spec_logits
         return sampled, self.model.logits(hidden[[row for row in last_rows if row >= 0]]), spec_logits
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 should_stop: Callable[[], bool] | None) -> torch.Tensor:
+        """A graph replay for decode steps a captured bucket serves (while Triton is the backend the graphs
+        were captured with), the eager forward otherwise. A replay is not interruptible: it takes milliseconds."""
+        graphs = self.graphs
+        if graphs is not None and ops.resolve_backend(self.device) == "triton":
+            bucket = graphs.bucket(meta, input_ids.shape[0])
+            if bucket is not None:
+                return graphs.run(input_ids, positions, meta, bucket)
+        return self.model.forward(input_ids, positions, meta, self.kv_caches, should_stop)
 
     @torch.inference_mode()
     def forward_logits(self, batch: ScheduledBatch) -> torch.Tensor:

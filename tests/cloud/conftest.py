@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import pytest
 
-from apiary.cloud.auth import KeyRing
-from apiary.cloud.service import CloudService
-from apiary.cloud.settings import CloudSettings
+if TYPE_CHECKING:  # imported in the fixtures: the engine and kernel tests under tests/cloud/ need none of the
+    # service stack (web, database, crypto), and the GPU machine's image has none of it (bench/gpu.py)
+    from apiary.cloud.auth import KeyRing
+    from apiary.cloud.service import CloudService
 
 # One small real engine for every cloud test: loading SmolLM2 costs seconds, serving it costs less.
 # max_num_seqs=4 / max_waiting=6 keep the queue small enough to fill deterministically (429 test).
@@ -28,12 +29,17 @@ def cloud_engine(gguf_path: Path):
 
 @pytest.fixture
 def keys(tmp_path: Path) -> KeyRing:
+    from apiary.cloud.auth import KeyRing
+
     return KeyRing(tmp_path / "keys.jsonl")
 
 
 @pytest.fixture
 def make_service(tmp_path: Path, cloud_engine, keys: KeyRing, gguf_path: Path) -> Iterator[Callable[..., CloudService]]:
     """Start CloudServices on the shared engine (each on a free port); all are stopped afterwards."""
+    from apiary.cloud.service import CloudService
+    from apiary.cloud.settings import CloudSettings
+
     services: list[CloudService] = []
 
     def make(**overrides) -> CloudService:
