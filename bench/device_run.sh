@@ -3,7 +3,8 @@
 # Prepare here, in the checkout (both folders are git-ignored via .git/info/exclude, and carried):
 #   apiary bench stand_in .gpu/stand-in          # SmolLM2's config + tokenizer (the 98 MB model cannot travel)
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl \
-#       pydantic pydantic_core annotated-types typing-inspection typing_extensions paho-mqtt   # versions as installed
+#       pydantic pydantic_core annotated-types typing-inspection typing_extensions paho-mqtt \
+#       cryptography cffi pycparser gguf     # versions as installed here; the last four for the shipped edge student
 # Then there, from the checkout's root:  BUDGET=420 bash bench/device_run.sh   (logs and JSON land in $OUT)
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3

@@ -135,3 +135,45 @@ def test_engine_with_graphs_generates_what_the_eager_engine_does_on_cuda(tiny_ll
     # float32 replays the same kernels on the same inputs; bf16 matmuls may pick another algorithm for the
     # padded batch (a last-bit difference can flip a near-tie of a random model), so it gets a little slack.
     assert agree == total if dtype == "float32" else agree >= 0.95 * total, (agree, total)
+
+
+SENSOR_TEXTS = ["Hive 7 at the orchard reports brood temperature 41.2 C and humidity 18% at noon.",
+                "Acoustic sensor on hive 3: piping detected three times in the last hour, colony weight falling.",
+                "Entrance camera counts 12 bees per minute, down from 140 yesterday; outside air 9 C and rain.",
+                "Hive 12 lid switch opened at 02:14, no beekeeper visit scheduled; accelerometer shows knocks."]
+
+
+def real_student_tracks_cpu_float32(device: str) -> None:
+    """Greedy decode of the shipped edge student on ``device`` in bf16 (CUDA: decode steps are graph replays),
+    checked token by token against the CPU float32 engine fed the same sequences (teacher-forced): its picks
+    agree almost everywhere, and where they differ the float32 logits call it a near-tie."""
+    from apiary.cloud.engine import EngineConfig, LLMEngine
+    from apiary.shared import assets
+    from tests.cloud.engine.conftest import prompt_logits
+
+    path = assets.model_file("edge-student")
+    ours = LLMEngine(EngineConfig(model_path=path, device=device, dtype="bfloat16", kv_cache_bytes=256 << 20,
+                                  max_num_seqs=8, max_model_len=512, enable_prefix_caching=False))
+    ids = [ours.tokenizer.encode(t) for t in SENSOR_TEXTS]
+    outs = ours.generate(ids, SamplingParams(max_tokens=24, ignore_eos=True))
+    if device == "cuda":
+        assert ours.runner.graphs is not None and ours.runner.graphs.replays >= 20
+    reference = LLMEngine(EngineConfig(model_path=path, dtype="float32", kv_cache_bytes=256 << 20,
+                                       max_num_batched_tokens=1024, enable_prefix_caching=False))
+    agree = total = 0
+    for prompt, out in zip(ids, outs):
+        _, logits = prompt_logits(reference, prompt + out.output_token_ids, use_prefix_cache=False)
+        picks = logits[len(prompt) - 1:-1]  # float32's view of every position our engine generated
+        got = torch.tensor(out.output_token_ids)
+        for pos in torch.nonzero(picks.argmax(-1) != got).flatten().tolist():
+            gap = picks[pos].max() - picks[pos, got[pos]]
+            assert gap < 1.0, f"position {pos}: {got[pos].item()} is {gap:.2f} below float32's pick, not a near-tie"
+        agree += int((picks.argmax(-1) == got).sum())
+        total += len(got)
+    assert agree >= 0.9 * total, (agree, total)
+
+
+@needs_cuda
+@pytest.mark.timeout(600)
+def test_the_real_student_decoded_on_cuda_with_graphs_tracks_the_cpu_float32_engine():
+    real_student_tracks_cpu_float32("cuda")
