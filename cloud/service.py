@@ -56,7 +56,7 @@ def build_engine(settings: CloudSettings):
             dtype=settings.dtype, weights=settings.weights, kv_cache_dtype=settings.kv_cache_dtype,
             kv_cache_bytes=settings.kv_cache_mb << 20, max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens, max_waiting=settings.max_waiting,
-            max_model_len=settings.max_model_len, num_threads=settings.num_threads,
+            max_model_len=settings.max_model_len, num_threads=settings.num_threads, cuda_graphs=settings.cuda_graphs,
             speculative=settings.speculative_config()))
     except EngineError as e:
         raise CloudError(f"cannot load model {path}: {e}") from None

@@ -73,6 +73,8 @@ class CloudSettings(BaseModel):
     weights: Literal["dtype", "int8"] = "dtype"
     # KV cache rows: in `dtype`, or int8 with per-token scales (CPU only; docs/engine.md "int8 KV cache")
     kv_cache_dtype: Literal["auto", "int8"] = "auto"
+    # on CUDA, decode steps replay captured graphs (docs/engine.md "CUDA graphs"); false: every step eager
+    cuda_graphs: bool = True
     kv_cache_mb: int = Field(default=512, ge=1)
     max_num_seqs: int = Field(default=32, ge=1)
     max_num_batched_tokens: int = Field(default=1024, ge=16)

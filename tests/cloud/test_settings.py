@@ -68,3 +68,21 @@ def test_the_worker_keeps_one_identity_and_a_persistent_session_across_restarts(
     code = "from apiary.cloud.settings import load_settings; print(load_settings(None).worker_id)"
     again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert again.stdout.strip() == s.worker_id
+
+
+def test_cuda_graphs_is_a_setting_the_engine_receives(tmp_path):
+    from apiary.cloud.service import build_engine
+    from tests.cloud.engine.tiny import make_checkpoint
+
+    cfg = tmp_path / "apiary.toml"
+    cfg.write_text("[cloud]\ncuda_graphs = false\n")
+    assert load_settings(None).cuda_graphs is True
+    settings = load_settings(cfg, model=str(make_checkpoint(tmp_path / "tiny")), adapter="none", kv_cache_mb=4)
+    assert settings.cuda_graphs is False
+    engine = build_engine(settings)
+    try:
+        assert engine._engine.config.cuda_graphs is False
+    finally:
+        engine.shutdown()
+    with pytest.raises(CloudError, match="cuda_graphs"):
+        load_settings(None, cuda_graphs="sometimes")
