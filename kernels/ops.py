@@ -3,7 +3,8 @@
 ``auto`` (the default) runs the Triton kernels on CUDA tensors and the torch references
 (``apiary.kernels.reference``) everywhere else, except decode attention on CPU, which the numba
 kernel (``apiary.kernels.cpu_attention``) serves for float32, bfloat16 and int8 caches (``decode_backend``),
-and per-row int8 quantization of CPU batches (``quantize_rows``, ``apiary.kernels.cpu_quant``).
+per-row int8 quantization of CPU batches (``quantize_rows``, ``apiary.kernels.cpu_quant``), and
+RMSNorm, rotary and the float KV write of CPU float32/bfloat16 tensors (``apiary.kernels.cpu_layers``).
 ``set_backend("torch"|"triton")`` or the env var ``APIARY_KERNELS=torch|triton`` forces one; forcing Triton on CPU tensors works only under the
 Triton interpreter (``TRITON_INTERPRET=1``), which is how the kernels are tested without a GPU.
 int8 KV caches (per-token, per-KV-head float32 scales beside them: ``k_scale``/``v_scale``
@@ -18,6 +19,7 @@ import functools
 import importlib
 import importlib.util
 import os
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -120,27 +122,29 @@ def _triton(module: str, device: torch.device) -> ModuleType:
 # ---------------------------------------------------------------- input checks
 
 
-def _check(cond: bool, message: str) -> None:
+def _check(cond: bool, message: Callable[[], str]) -> None:
+    """Raise ``KernelError(message())`` unless ``cond``: the message is built only for a failure (formatting
+    shapes on every call cost more than the numba kernels it guards)."""
     if not cond:
-        raise KernelError(message)
+        raise KernelError(message())
 
 
 def _check_tensor(name: str, t: object, dims: int | None = None, float_: bool = False, int_: bool = False) -> None:
-    _check(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _check(isinstance(t, torch.Tensor), lambda: f"{name} must be a torch.Tensor, got {type(t).__name__}")
     assert isinstance(t, torch.Tensor)
     if dims is not None:
-        _check(t.dim() == dims, f"{name} must have {dims} dims, got shape {tuple(t.shape)}")
+        _check(t.dim() == dims, lambda: f"{name} must have {dims} dims, got shape {tuple(t.shape)}")
     if float_:
-        _check(t.dtype in FLOAT_DTYPES, f"{name} must be float32/float16/bfloat16, got {t.dtype}")
+        _check(t.dtype in FLOAT_DTYPES, lambda: f"{name} must be float32/float16/bfloat16, got {t.dtype}")
     if int_:
         _check(not t.dtype.is_floating_point and not t.dtype.is_complex and t.dtype != torch.bool,
-               f"{name} must be an integer tensor, got {t.dtype}")
+               lambda: f"{name} must be an integer tensor, got {t.dtype}")
 
 
 def _check_same_device(**tensors: torch.Tensor) -> torch.device:
     devices = {name: t.device for name, t in tensors.items()}
     first = next(iter(devices.values()))
-    _check(all(d == first for d in devices.values()), f"tensors are on different devices: {devices}")
+    _check(all(d == first for d in devices.values()), lambda: f"tensors are on different devices: {devices}")
     return first
 
 
@@ -150,23 +154,26 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Te
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(name, cache, 4)
         _check(cache.dtype in FLOAT_DTYPES or cache.dtype == torch.int8,
-               f"{name} must be float32/float16/bfloat16 or int8, got {cache.dtype}")
+               lambda: f"{name} must be float32/float16/bfloat16 or int8, got {cache.dtype}")
     _check(k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype,
-           f"k_cache {tuple(k_cache.shape)} {k_cache.dtype} and v_cache {tuple(v_cache.shape)} {v_cache.dtype} differ")
+           lambda: f"k_cache {tuple(k_cache.shape)} {k_cache.dtype} and v_cache {tuple(v_cache.shape)} "
+                   f"{v_cache.dtype} differ")
     _check(k_cache.is_contiguous() and v_cache.is_contiguous(),
-           "k_cache/v_cache must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]")
+           lambda: "k_cache/v_cache must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]")
     quantized = k_cache.dtype == torch.int8
     if not quantized:
-        _check(k_scale is None and v_scale is None, f"k_scale/v_scale go with int8 caches, not {k_cache.dtype} ones")
+        _check(k_scale is None and v_scale is None,
+               lambda: f"k_scale/v_scale go with int8 caches, not {k_cache.dtype} ones")
         return False
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-        _check(isinstance(s, torch.Tensor), f"int8 caches need {name} (float32 [num_blocks, block_size, num_kv_heads])")
+        _check(isinstance(s, torch.Tensor),
+               lambda: f"int8 caches need {name} (float32 [num_blocks, block_size, num_kv_heads])")
         assert isinstance(s, torch.Tensor)
         _check(s.dtype == torch.float32 and tuple(s.shape) == tuple(k_cache.shape[:3]) and s.is_contiguous(),
-               f"{name} must be contiguous float32 {tuple(k_cache.shape[:3])}, got {tuple(s.shape)} {s.dtype}")
-        _check(s.device == k_cache.device, f"{name} is on {s.device}, the caches on {k_cache.device}")
+               lambda: f"{name} must be contiguous float32 {tuple(k_cache.shape[:3])}, got {tuple(s.shape)} {s.dtype}")
+        _check(s.device == k_cache.device, lambda: f"{name} is on {s.device}, the caches on {k_cache.device}")
     _check(resolve_backend(k_cache.device) == "torch",
-           "int8 KV caches are read by the CPU kernels (numba, torch references), not by the Triton kernels: "
+           lambda: "int8 KV caches are read by the CPU kernels (numba, torch references), not by the Triton kernels: "
            "use a float cache on CUDA")
     return True
 
@@ -174,19 +181,22 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Te
 def _check_attention(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                      batch: int, scale: float, sliding_window: int | None) -> None:
     _check_tensor("q", q, 3, float_=True)
-    _check(q.dtype == k_cache.dtype or k_cache.dtype == torch.int8, f"q is {q.dtype} but the cache is {k_cache.dtype}")
-    _check(q.shape[2] == k_cache.shape[3], f"q head_dim {q.shape[2]} != cache head_dim {k_cache.shape[3]}")
+    _check(q.dtype == k_cache.dtype or k_cache.dtype == torch.int8,
+           lambda: f"q is {q.dtype} but the cache is {k_cache.dtype}")
+    _check(q.shape[2] == k_cache.shape[3], lambda: f"q head_dim {q.shape[2]} != cache head_dim {k_cache.shape[3]}")
     _check(q.shape[1] % k_cache.shape[2] == 0,
-           f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k_cache.shape[2]})")
+           lambda: f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k_cache.shape[2]})")
     _check_tensor("block_tables", block_tables, 2, int_=True)
     _check_tensor("context_lens", context_lens, 1, int_=True)
-    _check(block_tables.shape[0] == batch, f"block_tables has {block_tables.shape[0]} rows for {batch} sequences")
-    _check(context_lens.shape[0] == batch, f"context_lens has {context_lens.shape[0]} entries for {batch} sequences")
+    _check(block_tables.shape[0] == batch,
+           lambda: f"block_tables has {block_tables.shape[0]} rows for {batch} sequences")
+    _check(context_lens.shape[0] == batch,
+           lambda: f"context_lens has {context_lens.shape[0]} entries for {batch} sequences")
     _check(isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0,
-           f"scale must be a positive float, got {scale!r}")
+           lambda: f"scale must be a positive float, got {scale!r}")
     _check(sliding_window is None or (isinstance(sliding_window, int) and not isinstance(sliding_window, bool)
                                       and sliding_window >= 1),
-           f"sliding_window must be None or a positive int, got {sliding_window!r}")
+           lambda: f"sliding_window must be None or a positive int, got {sliding_window!r}")
 
 
 # ---------------------------------------------------------------- the interface
@@ -202,12 +212,12 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     _check_tensor("value", value, 3, float_=True)
     quantized = _check_cache(k_cache, v_cache, k_scale, v_scale)
     _check_tensor("slot_mapping", slot_mapping, 1, int_=True)
-    _check(key.shape == value.shape, f"key {tuple(key.shape)} and value {tuple(value.shape)} differ")
+    _check(key.shape == value.shape, lambda: f"key {tuple(key.shape)} and value {tuple(value.shape)} differ")
     _check(tuple(key.shape[1:]) == tuple(k_cache.shape[2:]),
-           f"key is [T, {key.shape[1]}, {key.shape[2]}] but the cache holds "
+           lambda: f"key is [T, {key.shape[1]}, {key.shape[2]}] but the cache holds "
            f"[..., {k_cache.shape[2]}, {k_cache.shape[3]}]")
     _check(slot_mapping.shape[0] == key.shape[0],
-           f"slot_mapping has {slot_mapping.shape[0]} slots for {key.shape[0]} tokens")
+           lambda: f"slot_mapping has {slot_mapping.shape[0]} slots for {key.shape[0]} tokens")
     device = _check_same_device(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     if key.shape[0] == 0:
         return
@@ -219,6 +229,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         reference.write_kv_int8(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping)
     elif resolve_backend(device) == "triton":
         _triton("kv_cache", device).write_kv(key, value, k_cache, v_cache, slot_mapping)
+    elif _cpu_layers_serve(key, value, k_cache, v_cache):
+        _cpu_layers().write_kv(key, value, k_cache, v_cache, slot_mapping)
     else:
         reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
@@ -263,7 +275,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """
     quantized = _check_cache(k_cache, v_cache, k_scale, v_scale)
     _check_tensor("cu_seqlens_q", cu_seqlens_q, 1, int_=True)
-    _check(cu_seqlens_q.shape[0] >= 1, "cu_seqlens_q needs at least one entry (B + 1 offsets)")
+    _check(cu_seqlens_q.shape[0] >= 1, lambda: "cu_seqlens_q needs at least one entry (B + 1 offsets)")
     _check_attention(q, k_cache, block_tables, context_lens, cu_seqlens_q.shape[0] - 1, scale, sliding_window)
     device = _check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
                                 cu_seqlens_q=cu_seqlens_q, context_lens=context_lens)
@@ -286,16 +298,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     _check_tensor("x", x, float_=True)
     _check_tensor("weight", weight, 1, float_=True)
     _check(x.dim() >= 1 and x.shape[-1] == weight.shape[0],
-           f"x's last dim {tuple(x.shape)[-1:]} must match weight {tuple(weight.shape)}")
-    _check(isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps >= 0, f"eps must be >= 0, got {eps!r}")
+           lambda: f"x's last dim {tuple(x.shape)[-1:]} must match weight {tuple(weight.shape)}")
+    _check(isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps >= 0,
+           lambda: f"eps must be >= 0, got {eps!r}")
     tensors = {"x": x, "weight": weight}
     if residual is not None:
         _check_tensor("residual", residual, float_=True)
-        _check(residual.shape == x.shape, f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+        _check(residual.shape == x.shape, lambda: f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
         tensors["residual"] = residual
     device = _check_same_device(**tensors)
     if resolve_backend(device) == "triton" and x.numel() > 0:
         return _triton("rms_norm", device).rms_norm(x, weight, float(eps), residual)
+    if (x.dim() == 2 and _cpu_layers_serve(x, *(() if residual is None else (residual,)))
+            and weight.dtype in (torch.float32, x.dtype) and weight.is_contiguous()):
+        return _cpu_layers().rms_norm(x, weight, float(eps), residual)
     return reference.rms_norm(x, weight, float(eps), residual)
 
 
@@ -307,14 +323,30 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     _check_tensor("positions", positions, 1, int_=True)
     _check_tensor("cos_sin_cache", cos_sin_cache, 2, float_=True)
     _check(q.shape[0] == k.shape[0] == positions.shape[0],
-           f"q, k and positions disagree on the token count: {q.shape[0]}, {k.shape[0]}, {positions.shape[0]}")
+           lambda: f"q, k and positions disagree on the token count: {q.shape[0]}, {k.shape[0]}, {positions.shape[0]}")
     _check(q.shape[2] == k.shape[2] == cos_sin_cache.shape[1],
-           f"head_dim of q ({q.shape[2]}), k ({k.shape[2]}) and cos_sin_cache ({cos_sin_cache.shape[1]}) differ")
-    _check(q.shape[2] % 2 == 0, f"head_dim must be even for rotary, got {q.shape[2]}")
+           lambda: f"head_dim of q ({q.shape[2]}), k ({k.shape[2]}) and cos_sin_cache ({cos_sin_cache.shape[1]}) "
+                   "differ")
+    _check(q.shape[2] % 2 == 0, lambda: f"head_dim must be even for rotary, got {q.shape[2]}")
     device = _check_same_device(q=q, k=k, positions=positions, cos_sin_cache=cos_sin_cache)
     if resolve_backend(device) == "triton" and q.shape[0] > 0:
         return _triton("rotary", device).apply_rotary(q, k, positions, cos_sin_cache)
+    if _cpu_layers_serve(q, k) and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous():
+        return _cpu_layers().apply_rotary(q, k, positions, cos_sin_cache)
     return reference.apply_rotary(q, k, positions, cos_sin_cache)
+
+
+def _cpu_layers_serve(*tensors: torch.Tensor) -> bool:
+    """``apiary.kernels.cpu_layers`` takes these (``auto`` backend, numba installed, CPU tensors of one float32 or
+    bfloat16 dtype with unit last strides)."""
+    return get_backend() == "auto" and numba_available() and all(t.device.type == "cpu" for t in tensors) and (
+        tensors[0].dtype in NUMBA_DTYPES and all(t.dtype == tensors[0].dtype and t.stride(-1) == 1 for t in tensors))
+
+
+def _cpu_layers() -> ModuleType:
+    from apiary.kernels import cpu_layers  # imports numba: only once a CPU step runs
+
+    return cpu_layers
 
 
 def _numba_serves(x: torch.Tensor) -> bool:
