@@ -2,9 +2,9 @@
 
 Why: in torch each of these is several ops (RMSNorm with the residual: add, two casts, square, mean,
 rsqrt, two multiplies, a cast), each paying torch's dispatch and an allocation. On a 2-CPU Zen 4 guest
-a 32-row bf16 decode step of SmolLM2 spent 8.0 ms in RMSNorm (61 calls, ~130 us each), 5.2 ms in rotary
-and 3.8 ms in the KV write, 23% of a 73 ms step, for a few microseconds of arithmetic. Here each is one
-call and one pass over its rows.
+a 32-row bf16 decode step of SmolLM2 spent 8.4 ms in RMSNorm (61 calls, ~140 us each), 5.6 ms in rotary
+and 4.1 ms in the KV write, 24% of a 76.6 ms step, for a few microseconds of arithmetic. Here each is one
+call and one pass over its rows (the step: 65.1 ms; docs/kernels.md).
 
 Results are the torch references' (``apiary.kernels.reference``) up to float32 summation order: sums
 and products in float32, rounded to the tensor's dtype where the reference rounds (bf16: round to
@@ -117,7 +117,8 @@ def _require(ok: bool, what: Callable[[], str]) -> None:
 
 
 def serves(*tensors: torch.Tensor) -> bool:
-    """True when every tensor is on the CPU in one supported dtype with a unit last stride."""
+    """True when every tensor is on the CPU in one supported dtype with a unit last stride (what ``kernels.ops``
+    asks before routing a call here)."""
     dtype = tensors[0].dtype
     return dtype in SUPPORTED_DTYPES and all(
         t.device.type == "cpu" and t.dtype == dtype and (t.dim() == 0 or t.stride(-1) == 1) for t in tensors)

@@ -337,10 +337,8 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 
 
 def _cpu_layers_serve(*tensors: torch.Tensor) -> bool:
-    """``apiary.kernels.cpu_layers`` takes these (``auto`` backend, numba installed, CPU tensors of one float32 or
-    bfloat16 dtype with unit last strides)."""
-    return get_backend() == "auto" and numba_available() and all(t.device.type == "cpu" for t in tensors) and (
-        tensors[0].dtype in NUMBA_DTYPES and all(t.dtype == tensors[0].dtype and t.stride(-1) == 1 for t in tensors))
+    """``apiary.kernels.cpu_layers`` takes these (``auto`` backend, numba installed, and its ``serves``)."""
+    return get_backend() == "auto" and numba_available() and _cpu_layers().serves(*tensors)
 
 
 def _cpu_layers() -> ModuleType:
