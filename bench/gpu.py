@@ -185,6 +185,10 @@ def command(
         typer.echo("apiary bench gpu needs a CUDA GPU (none is visible here); --rehearse runs its plan on CPU.",
                    err=True)
         raise typer.Exit(2)
+    if stand_in is not None and not (stand_in / "config.json").is_file():
+        typer.echo(f"--stand-in {stand_in} has no config.json: write one with `apiary bench stand_in {stand_in}` on "
+                   "a host that has the model", err=True)
+        raise typer.Exit(2)
     out.mkdir(parents=True, exist_ok=True)
     if stand_in is not None:
         from apiary.bench.stand_in import fill_weights

@@ -87,7 +87,13 @@ def command(
         from apiary.shared import assets
 
         model = str(assets.ensure("smollm2-135m-q4"))
-    config = write_config(Path(model), out)
+    from apiary.cloud.engine.errors import EngineError
+
+    try:
+        config = write_config(Path(model), out)
+    except EngineError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
     if weights:
         fill_weights(out)
     size = sum(f.stat().st_size for f in out.iterdir()) / 1e6

@@ -49,3 +49,13 @@ def test_weights_are_seeded_and_never_overwritten(tiny: Path, tmp_path: Path):
     before = (a / "model.safetensors").stat().st_mtime_ns
     stand_in.fill_weights(a, seed=1)
     assert (a / "model.safetensors").stat().st_mtime_ns == before
+
+
+def test_a_missing_model_or_stand_in_is_a_clear_error_not_a_traceback(tmp_path: Path):
+    bad = subprocess.run([sys.executable, "-m", "apiary", "bench", "stand_in", str(tmp_path / "out"), "--model",
+                          str(tmp_path / "missing.gguf")], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "neither a GGUF file" in bad.stderr and "Traceback" not in bad.stderr
+    empty = subprocess.run([sys.executable, "-m", "apiary", "bench", "gpu", "--rehearse", "--stand-in",
+                            str(tmp_path / "nothing")], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert empty.returncode == 2 and "has no config.json" in empty.stderr
+    assert not (tmp_path / "results").exists()  # refused before any step ran
