@@ -263,6 +263,9 @@ def _attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
                                           enable_gqa=True).transpose(1, 2)
 
 
+SOLO_QUERIES = 128  # prefill chunks at least this long get an attention call of their own (no padding)
+
+
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float,
                             sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
@@ -274,6 +277,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     Query i of sequence b sits at position ``context_lens[b] - q_len_b + i``. Sequences are grouped by
     query length in power-of-two buckets, so a mixed batch (one long prefill chunk beside many
     single-token decodes) pads each group at most 2x instead of padding everything to the longest.
+    A chunk of ``SOLO_QUERIES`` or more queries runs alone: padded to a neighbour's length its causal
+    attention costs up to 4x its own (a 335-token prompt beside a 512-token one: 2.3x), while one more
+    call costs ~30 us against its >= 0.4 ms of work (docs/kernels.md).
     """
     out = torch.zeros_like(q)
     if q.shape[0] == 0:
@@ -286,7 +292,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     # continue a prefix: a group of the former takes the cheaper is_causal path.
     continues = (ctx > q_lens).long()
     bucket = torch.where(live, 2 * torch.ceil(torch.log2(q_lens.clamp(min=1).double())).long() + continues, -1)
-    for b in torch.unique(bucket[live]).tolist():
+    solo = live & (q_lens >= SOLO_QUERIES)
+    bucket[solo] = -2 - torch.arange(int(solo.sum()), device=bucket.device)  # a group of its own each
+    for b in torch.unique(bucket[live]).tolist():  # live buckets are >= 0, solo ones <= -2
         seqs = torch.nonzero(bucket == b).flatten()
         _prefill_group(q, out, seqs, k_cache, v_cache, block_tables, starts, q_lens, ctx, scale, sliding_window,
                        _scales(k_scale, v_scale, dequantize))

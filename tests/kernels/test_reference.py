@@ -19,6 +19,9 @@ PREFILL_SHAPES = [
     ([40, 12, 64, 3], [1, 12, 4, 1], 8, 1, 16, 8, None),  # mixed decode + prefill, GQA 8
     ([50, 20], [7, 1], 4, 1, 32, 16, 8),                 # sliding window
     ([30], [5], 8, 2, 24, 4, 1),                         # window of one token, head_dim not a power of 2
+    # chunks of >= SOLO_QUERIES run alone (fresh and continuing) beside bucketed short ones
+    ([200, 150, 140, 20, 9], [200, 130, 128, 20, 1], 4, 2, 16, 16, None),
+    ([160, 131], [140, 131], 4, 1, 8, 16, 33),           # solo chunks under a sliding window
 ]
 
 
@@ -177,3 +180,21 @@ def test_decode_plan_is_reused_per_step_but_never_stale():
         out = reference.paged_decode_attention(fresh.q, fresh.k_cache, fresh.v_cache, fresh.block_tables,
                                                fresh.context_lens, fresh.scale)
         torch.testing.assert_close(out.double(), dense_attention(fresh), **tolerance(torch.float32))
+
+
+def test_prefill_runs_long_chunks_alone_and_buckets_short_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Padding a 335-token prompt to a 512-token neighbour costs 2.3x its attention: chunks of
+    >= SOLO_QUERIES queries get a call each; short ones still share power-of-two buckets."""
+    groups: list[list[int]] = []
+    real = reference._prefill_group
+
+    def spy(q, out, seqs, *args):  # type: ignore[no-untyped-def]
+        groups.append(sorted(seqs.tolist()))
+        return real(q, out, seqs, *args)
+
+    monkeypatch.setattr(reference, "_prefill_group", spy)
+    n = reference.SOLO_QUERIES
+    case = make_case([n + 200, n, 3 * n, 5, 6], [n + 200, n, n + 1, 5, 6], 2, 1, 8)
+    reference.paged_prefill_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.cu_seqlens_q,
+                                      case.context_lens, case.scale)
+    assert sorted(groups) == [[0], [1], [2], [3, 4]]
