@@ -1,6 +1,7 @@
 """The numba CPU decode-attention kernel (behind ``ops`` on CPU) against the dense float64 oracle and the torch reference."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -20,6 +21,7 @@ DTYPES = [torch.float32, torch.bfloat16]
     ([33, 7, 90], 4, 4, 32, 16, 10),         # no GQA, sliding window
     ([30, 2], 9, 3, 24, 4, 1),               # window of one token, odd head_dim, small blocks
     ([5, 200, 41, 41, 1], 9, 3, 64, 16, None),  # SmolLM2's head layout
+    ([9, 70, 33], 4, 1, 128, 16, None),       # Llama 3's head dim and GQA 4 (a specialised kernel)
 ])
 def test_matches_dense_attention(ctx, hq, hkv, d, bs, window, dtype):
     case = make_case(ctx, [1] * len(ctx), hq, hkv, d, bs, dtype)  # tables padded with -1 past the blocks in use
@@ -47,6 +49,44 @@ def test_int8_caches_attend_over_the_rows_they_stand_for(ctx, hq, hkv, d, bs, wi
     ref = reference.paged_decode_attention(*args, q8.k_scale, q8.v_scale)
     torch.testing.assert_close(out, ref, **tolerance(dtype))
     assert (out.double() - dense_attention(case, window)).abs().max() < 0.05  # int8 rows: ~0.4% of the range
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 1, 128)])
+def test_specialised_head_dims_match_the_generic_kernel(hq, hkv, d, dtype, monkeypatch):
+    """The kernels compiled for a fixed head dim compute what the one that reads it from the query does."""
+    case = make_case([1, 15, 16, 17, 250], [1] * 5, hq, hkv, d, 16, torch.bfloat16 if dtype == torch.int8 else dtype)
+    caches = (case.k_cache, case.v_cache)
+    scales: tuple = ()
+    if dtype == torch.int8:
+        q8 = quantize_case(case)
+        caches, scales = (q8.k_cache, q8.v_cache), (q8.k_scale, q8.v_scale)
+    args = (case.q, *caches, case.block_tables, case.context_lens, case.scale, None, *scales)
+    assert d in cpu_attention.SPECIALISED_HEAD_DIMS
+    fixed = cpu_attention.paged_decode_attention(*args)
+    monkeypatch.setattr(cpu_attention, "SPECIALISED_HEAD_DIMS", ())
+    generic = cpu_attention.paged_decode_attention(*args)
+    torch.testing.assert_close(fixed.float(), generic.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_exp_is_within_two_ulp_of_numpy_and_clamps_below_minus_87():
+    """The softmax's exponential (plain arithmetic so that its loop vectorises) against float64 ``exp``."""
+    from numba import njit
+
+    @njit
+    def exps(x):  # type: ignore[no-untyped-def]
+        out = np.empty_like(x)
+        for i in range(x.size):
+            out[i] = cpu_attention._exp(x[i])
+        return out
+
+    x = np.concatenate([np.linspace(-87, 0, 400_001, dtype=np.float32),
+                        np.float32([0.0, -0.0, -1e-30, -1e-7, -0.3465736, -0.3465737, -86.99])])
+    relative = np.abs(exps(x) - np.exp(x.astype(np.float64))) / np.exp(x.astype(np.float64))
+    assert relative.max() < 2 * 2.0 ** -23
+    assert exps(np.float32([0.0]))[0] == 1.0
+    tiny = exps(np.float32([-87.0, -100.0, -1e30]))
+    assert (tiny == tiny[0]).all() and 0 < tiny[0] < 2e-38  # a normal float, never 0 or NaN: weights stay finite
 
 
 def test_int8_caches_need_their_scales_and_float_caches_take_none():
