@@ -215,3 +215,30 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                        context_lens.to(torch.int32).contiguous().numpy(),
                        np.float32(scale), int(sliding_window or 0), out)
     return torch.from_numpy(out).to(q.dtype)
+
+
+class Prepared:
+    """``paged_decode_attention`` for the decode rows of one step, whose every layer shares the block tables,
+    lengths, scale and window: those are converted (and numba's thread count set) once, not per layer.
+    Float caches only; the caller (``cpu_layers.CpuStep``) hands in the caches' numpy views."""
+
+    __slots__ = ("tables", "lens", "scale", "window", "kernel")
+
+    def __init__(self, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                 sliding_window: int | None) -> None:
+        self.tables = block_tables.to(torch.int32).contiguous().numpy()
+        self.lens = context_lens.to(torch.int32).contiguous().numpy()
+        self.scale, self.window = np.float32(scale), int(sliding_window or 0)
+        self.kernel = None
+        # numba's thread count is per calling thread (the async engine steps in its own thread).
+        numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+
+    def __call__(self, q: torch.Tensor, k_cache: np.ndarray, v_cache: np.ndarray) -> torch.Tensor:
+        """``q [B, Hq, D]`` (B = the step's decode rows) over caches given as ``_cache_array`` views."""
+        if self.kernel is None:
+            self.kernel = _decode_kernel(q.shape[2] if q.shape[2] in SPECIALISED_HEAD_DIMS else 0)
+        out = np.empty(tuple(q.shape), np.float32)
+        if q.shape[0]:
+            self.kernel(q.float().contiguous().numpy(), k_cache, v_cache, _NO_SCALES, _NO_SCALES, False, self.tables,
+                        self.lens, self.scale, self.window, out)
+        return torch.from_numpy(out).to(q.dtype)

@@ -159,3 +159,120 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     heads, dim = k_cache.shape[2:]
     _write_kv(_np(key), _np(value), _np(k_cache.view(-1, heads, dim)), _np(v_cache.view(-1, heads, dim)),
               slot_mapping.to(torch.int64).contiguous().numpy())
+
+
+# ---------------------------------------------------------------- a forward pass's kernels, checked once
+
+
+@njit(fastmath=FASTMATH, cache=True, boundscheck=False, nogil=True)
+def _rotary_write_kv(qkv, num_heads, num_kv_heads, positions, cos_sin, q_out, k_cache, v_cache,
+                     slots):  # type: ignore[no-untyped-def]
+    """The q/k/v projection's rows ``qkv [T, (Hq + 2 Hkv) * D]``: rotate-half RoPE of the query heads into
+    ``q_out [T, Hq, D]``; the rotated key heads and the value heads into ``[slots, Hkv, D]`` caches of ``qkv``'s
+    dtype (slots < 0 skipped). What ``_rotate`` on q and k, then ``_write_kv``, compute, in one pass."""
+    dim = q_out.shape[2]
+    half = dim // 2
+    for t in range(qkv.shape[0]):
+        p = positions[t]
+        for h in range(num_heads):
+            base = h * dim
+            for j in range(half):
+                c, s = cos_sin[p, j], cos_sin[p, half + j]
+                a, b = _as_f32(qkv[t, base + j]), _as_f32(qkv[t, base + half + j])
+                q_out[t, h, j] = _store(q_out, a * c - b * s)
+                q_out[t, h, half + j] = _store(q_out, b * c + a * s)
+        slot = slots[t]
+        if slot < 0:
+            continue
+        for h in range(num_kv_heads):
+            base = (num_heads + h) * dim
+            for j in range(half):
+                c, s = cos_sin[p, j], cos_sin[p, half + j]
+                a, b = _as_f32(qkv[t, base + j]), _as_f32(qkv[t, base + half + j])
+                k_cache[slot, h, j] = _store(k_cache, a * c - b * s)
+                k_cache[slot, h, half + j] = _store(k_cache, b * c + a * s)
+            base = (num_heads + num_kv_heads + h) * dim
+            for j in range(dim):
+                v_cache[slot, h, j] = qkv[t, base + j]
+
+
+class CpuStep:
+    """One CPU forward pass's per-layer kernels, with the per-call work of ``kernels.ops`` done once.
+
+    Why: at decode sizes the kernels themselves take microseconds (an RMSNorm of 13 rows: 3 us) and
+    everything around them took ten times that: ``ops``' checks, ``serves``, two ``torch.empty`` and five
+    numpy views per call (``ops.rms_norm``: 32 us; rotary and the KV write the same), ~150 us per layer.
+    ``kernels.ops.cpu_step`` checks the step's shapes, dtypes and devices once and builds this; every
+    layer then calls straight into numba with views made once: the normed rows and the rotated queries
+    live in buffers reused by every layer (each is consumed by the next matmul or attention before
+    the layer writes it again), the residual stream in two that take turns, rotary and the KV write are one pass
+    (``_rotary_write_kv``), and decode attention gets its block tables and lengths converted once. The
+    values are bit for bit the per-call kernels' (``tests/kernels/test_cpu_layers.py``).
+    The caller guarantees what ``ops.cpu_step`` checked: every layer's tensors have the step's token
+    count, dtype and head layout, and its caches the shape of those it was given.
+    """
+
+    __slots__ = ("num_heads", "num_kv_heads", "head_dim", "eps", "positions", "cos_sin", "slots", "normed",
+                 "_normed", "_sums", "q", "_q", "_decode", "_np_of")
+
+    def __init__(self, tokens: int, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 eps: float, positions: torch.Tensor, slot_mapping: torch.Tensor, cos_sin: torch.Tensor,
+                 decode: tuple[torch.Tensor, torch.Tensor, float, int | None] | None) -> None:
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.eps = np.float32(eps)
+        self.positions = positions.to(torch.int64).contiguous().numpy()
+        self.slots = slot_mapping.to(torch.int64).contiguous().numpy()
+        self.cos_sin = cos_sin.numpy()
+        self.normed = torch.empty((tokens, hidden), dtype=dtype)
+        self._normed = _np(self.normed)
+        self._sums = [(b, _np(b)) for b in (torch.empty((tokens, hidden), dtype=dtype) for _ in range(2))]
+        self.q = torch.empty((tokens, num_heads, head_dim), dtype=dtype)
+        self._q = _np(self.q)
+        self._decode = None
+        if decode is not None:
+            from apiary.kernels import cpu_attention
+
+            tables, lens, scale, window = decode
+            self._decode = cpu_attention.Prepared(tables, lens, scale, window)
+        self._np_of: dict[int, np.ndarray] = {}  # numpy views of tensors that outlive the step (weights, caches)
+
+    def _lasting(self, t: torch.Tensor) -> np.ndarray:
+        """A numpy view of a weight or cache, made once per step."""
+        view = self._np_of.get(id(t))
+        if view is None:
+            view = self._np_of[id(t)] = _np(t)
+        return view
+
+    def _rows(self, cache: torch.Tensor) -> np.ndarray:
+        """A ``[num_blocks, block_size, Hkv, D]`` cache as ``[slots, Hkv, D]`` rows (numpy), made once per step."""
+        key = -id(cache)  # apart from the 4-D view of the same tensor
+        view = self._np_of.get(key)
+        if view is None:
+            view = self._np_of[key] = _np(cache.view(-1, self.num_kv_heads, self.head_dim))
+        return view
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rmsnorm(x + residual), x + residual)`` (without a residual: ``(rmsnorm(x), x)``). Both are the step's
+        buffers: the normed rows valid until the next call, the sum until the one after (two take turns)."""
+        xs = _np(x)
+        if residual is None:
+            _rms_norm(xs, xs, False, self._lasting(weight), self.eps, self._normed, self._normed)
+            return self.normed, x
+        # The sum goes to the buffer the residual is not in: summing in place aliases the kernel's input and
+        # output, and LLVM's vectoriser then takes the scalar loop, whose float32 sum rounds differently.
+        out, out_np = self._sums[1] if residual is self._sums[0][0] else self._sums[0]
+        _rms_norm(xs, _np(residual), True, self._lasting(weight), self.eps, self._normed, out_np)
+        return self.normed, out
+
+    def rotary_write_kv(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Rotated queries ``[T, Hq, D]`` (the step's buffer, valid until the next call); rotated keys and the
+        values into the caches at the step's slots."""
+        _rotary_write_kv(_np(qkv), self.num_heads, self.num_kv_heads, self.positions, self.cos_sin, self._q,
+                         self._rows(k_cache), self._rows(v_cache), self.slots)
+        return self.q
+
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """The step's decode rows' attention (``q``: its first ``num_decode_tokens`` rows)."""
+        assert self._decode is not None, "this step has no decode rows"
+        return self._decode(q, self._lasting(k_cache), self._lasting(v_cache))

@@ -21,6 +21,7 @@ import importlib.util
 import os
 from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -334,6 +335,48 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     if _cpu_layers_serve(q, k) and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous():
         return _cpu_layers().apply_rotary(q, k, positions, cos_sin_cache)
     return reference.apply_rotary(q, k, positions, cos_sin_cache)
+
+
+def cpu_step(tokens: int, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+             eps: float, positions: torch.Tensor, slot_mapping: torch.Tensor, cos_sin_cache: torch.Tensor,
+             k_cache: torch.Tensor, v_cache: torch.Tensor, num_decode_tokens: int, decode_block_tables: torch.Tensor,
+             decode_context_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
+             decode_backend_name: str | None = None) -> Any:
+    """A CPU forward pass's per-layer kernels checked once (``apiary.kernels.cpu_layers.CpuStep``), or None where
+    they do not serve: not the ``auto`` backend, no numba, a non-CPU device, a dtype other than float32/bfloat16,
+    int8 caches, or decode attention other than numba's (``decode_backend_name``, see ``decode_backend``).
+
+    ``k_cache``/``v_cache``: one layer's caches; the caller guarantees every layer's are alike, and that the
+    tensors it hands the step's methods have ``tokens`` rows of ``dtype`` in the layout checked here.
+    """
+    if not (get_backend() == "auto" and numba_available() and dtype in NUMBA_DTYPES):
+        return None
+    for name, t in (("positions", positions), ("slot_mapping", slot_mapping), ("k_cache", k_cache),
+                    ("v_cache", v_cache), ("cos_sin_cache", cos_sin_cache)):
+        _check_tensor(name, t)
+        if t.device.type != "cpu":
+            return None
+    if k_cache.dtype != dtype or decode_backend(k_cache.device, k_cache.dtype, decode_backend_name) != "numba":
+        return None
+    _check_cache(k_cache, v_cache)
+    _check(tuple(k_cache.shape[2:]) == (num_kv_heads, head_dim) and num_heads % num_kv_heads == 0,
+           lambda: f"the caches hold [..., {k_cache.shape[2]}, {k_cache.shape[3]}], not {num_kv_heads} KV heads of "
+                   f"{head_dim} for {num_heads} query heads")
+    _check(positions.dim() == 1 and slot_mapping.dim() == 1 and positions.shape[0] == slot_mapping.shape[0] == tokens,
+           lambda: f"positions {tuple(positions.shape)} and slot_mapping {tuple(slot_mapping.shape)} need {tokens} "
+                   "entries")
+    _check(cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous() and cos_sin_cache.dim() == 2
+           and cos_sin_cache.shape[1] == head_dim and head_dim % 2 == 0,
+           lambda: f"cos_sin_cache must be contiguous float32 [P, {head_dim}], got {tuple(cos_sin_cache.shape)} "
+                   f"{cos_sin_cache.dtype}")
+    _check(isinstance(eps, (int, float)) and eps >= 0, lambda: f"eps must be >= 0, got {eps!r}")
+    decode = None
+    if num_decode_tokens:
+        _check_attention(torch.empty(num_decode_tokens, num_heads, head_dim, dtype=dtype), k_cache,
+                         decode_block_tables, decode_context_lens, num_decode_tokens, scale, sliding_window)
+        decode = (decode_block_tables, decode_context_lens, float(scale), sliding_window)
+    return _cpu_layers().CpuStep(tokens, hidden, num_heads, num_kv_heads, head_dim, dtype, float(eps), positions,
+                                 slot_mapping, cos_sin_cache, decode)
 
 
 def _cpu_layers_serve(*tensors: torch.Tensor) -> bool:

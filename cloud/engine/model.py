@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -161,12 +162,15 @@ class LlamaModel:
         c = config
         self.qkv_split = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
 
-    def _attention(self, q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
+    def _attention(self, q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, step: Any = None) -> torch.Tensor:
         nd, window = meta.num_decode_tokens, self.config.sliding_window
-        parts = [ops.paged_decode_attention(q[a:b], kv.k, kv.v, meta.decode_block_tables[a:b],
-                                            meta.decode_context_lens[a:b], self.scale, window, self.decode_backend,
-                                            kv.k_scale, kv.v_scale)
-                 for a, b in (meta.decode_groups or ([(0, nd)] if nd else []))]
+        if step is not None:
+            parts = [step.decode_attention(q[:nd], kv.k, kv.v)] if nd else []
+        else:
+            parts = [ops.paged_decode_attention(q[a:b], kv.k, kv.v, meta.decode_block_tables[a:b],
+                                                meta.decode_context_lens[a:b], self.scale, window, self.decode_backend,
+                                                kv.k_scale, kv.v_scale)
+                     for a, b in (meta.decode_groups or ([(0, nd)] if nd else []))]
         if nd < q.shape[0]:
             parts.append(ops.paged_prefill_attention(q[nd:], kv.k, kv.v, meta.prefill_block_tables,
                                                      meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
@@ -185,9 +189,18 @@ class LlamaModel:
         t = input_ids.shape[0]
         x = F.embedding(input_ids, self.embed)
         residual: torch.Tensor | None = None
+        step = self._cpu_step(t, positions, meta, kv_caches)
         for layer, kv in zip(self.layers, kv_caches):
             if residual is not None and should_stop is not None and should_stop():
                 raise StepInterrupted
+            if step is not None:  # the same layer on CPU, its small ops checked once per pass (CpuStep)
+                h, residual = step.rms_norm(x, layer.input_norm, residual)
+                q = step.rotary_write_kv(layer.qkv(h), kv.k, kv.v)
+                attn = self._attention(q, kv, meta, step)
+                h, residual = step.rms_norm(layer.o_proj(attn.reshape(t, -1)), layer.post_norm, residual)
+                gate, up = layer.gate_up(h).chunk(2, dim=-1)
+                x = layer.down(F.silu(gate) * up)
+                continue
             if residual is None:
                 residual, h = x, ops.rms_norm(x, layer.input_norm, c.rms_norm_eps)
             else:
@@ -203,6 +216,17 @@ class LlamaModel:
             x = layer.down(F.silu(gate) * up)
         out, _ = ops.rms_norm(x, self.norm, c.rms_norm_eps, residual)
         return out
+
+    def _cpu_step(self, t: int, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list[LayerKV]) -> Any:
+        """``kernels.ops.cpu_step`` for this pass (None off the CPU path: CUDA, int8 caches, forced backends,
+        the torch attention reference); its kernels compute what the per-call ops compute."""
+        if self.device.type != "cpu" or not kv_caches or kv_caches[0].k_scale is not None:
+            return None
+        c = self.config
+        return ops.cpu_step(t, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, self.dtype, c.rms_norm_eps,
+                            positions, meta.slot_mapping, self.cos_sin, kv_caches[0].k, kv_caches[0].v,
+                            meta.num_decode_tokens, meta.decode_block_tables, meta.decode_context_lens, self.scale,
+                            c.sliding_window, self.decode_backend)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden).float()

@@ -79,12 +79,15 @@ def test_client_going_away_aborts_and_frees_blocks(async_engine: AsyncEngine) ->
         return got
 
     async def cancelled_task() -> None:
+        started = asyncio.Event()
+
         async def consume():
             async for _ in async_engine.stream("queen " * 30, params=params, request_id="cancelled"):
-                pass
+                started.set()
+                await asyncio.sleep(0.05)  # a slow reader: the engine cannot finish 500 tokens before the cancel
 
         task = asyncio.create_task(consume())
-        await asyncio.sleep(0.3)
+        await started.wait()  # cancelled mid-stream, not after a fixed time (a fast engine finished within 0.3 s)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -172,3 +172,44 @@ def test_real_model_batched_tokens_match_the_torch_backend(real_engine, gguf_pat
     for p, ref, got in zip(prompts, theirs, ours):
         check_same_or_near_tie(torch_engine, p, ref, got)
     assert sum(a == b for a, b in zip(ours, theirs)) >= 14
+
+
+def _run_mixed_steps(engine: LLMEngine) -> list[tuple[list[int], list[float]]]:
+    """Three requests arriving a step apart (so steps mix decode rows with prefill chunks): tokens and logprobs."""
+    from apiary.cloud.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=3)
+    texts = ["Queen present, brood pattern solid. " * 4, "Sensor 7 reports humidity 62%", "Swarm cells on frame 3, " * 7]
+    ids, finals = [], {}
+    for text in texts:
+        ids.append(engine.add_request(engine.tokenizer.encode(text), params=params))
+        for out in engine.step():
+            finals[out.request_id] = out
+    while engine.has_unfinished():
+        for out in engine.step():
+            finals[out.request_id] = out
+    return [(finals[i].output_token_ids, [lp.logprob for lp in finals[i].logprobs]
+             + [v for lp in finals[i].logprobs for _, v in lp.top]) for i in ids]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["tiny_llama", "tiny_qwen2"])
+def test_cpu_steps_compute_what_the_per_call_ops_do(name: str, dtype: str, request: pytest.FixtureRequest,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU forward with its small ops checked once per pass (``kernels.ops.cpu_step``) generates the very
+    tokens and logprobs (float equality) of the forward that calls ``kernels.ops`` per op: Llama, and Qwen2's
+    q/k/v biases, in float32 and bf16, over steps mixing decode rows, prefill chunks and chunked prefill."""
+    from apiary.kernels import ops
+
+    folder = request.getfixturevalue(name)
+    real, taken = ops.cpu_step, []
+    monkeypatch.setattr(ops, "cpu_step", lambda *a, **k: taken.append(real(*a, **k)) or taken[-1])
+
+    def engine() -> LLMEngine:
+        return LLMEngine(EngineConfig(model_path=folder, dtype=dtype, kv_cache_bytes=4 << 20, block_size=8,
+                                      max_num_batched_tokens=24))
+
+    fast = _run_mixed_steps(engine())
+    assert taken and all(step is not None for step in taken)
+    monkeypatch.setattr(ops, "cpu_step", lambda *a, **k: None)
+    assert fast == _run_mixed_steps(engine())
