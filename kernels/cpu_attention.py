@@ -220,7 +220,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 class Prepared:
     """``paged_decode_attention`` for the decode rows of one step, whose every layer shares the block tables,
     lengths, scale and window: those are converted (and numba's thread count set) once, not per layer.
-    Float caches only; the caller (``cpu_layers.CpuStep``) hands in the caches' numpy views."""
+    The caller (``cpu_layers.CpuStep``) hands in the caches' numpy views (and an int8 pair's scales)."""
 
     __slots__ = ("tables", "lens", "scale", "window", "kernel")
 
@@ -233,12 +233,15 @@ class Prepared:
         # numba's thread count is per calling thread (the async engine steps in its own thread).
         numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
 
-    def __call__(self, q: torch.Tensor, k_cache: np.ndarray, v_cache: np.ndarray) -> torch.Tensor:
-        """``q [B, Hq, D]`` (B = the step's decode rows) over caches given as ``_cache_array`` views."""
+    def __call__(self, q: torch.Tensor, k_cache: np.ndarray, v_cache: np.ndarray,
+                 scales: tuple[np.ndarray, np.ndarray] | None = None) -> torch.Tensor:
+        """``q [B, Hq, D]`` (B = the step's decode rows) over caches given as ``_cache_array`` views; int8 caches
+        with their ``(k_scale, v_scale)``."""
         if self.kernel is None:
             self.kernel = _decode_kernel(q.shape[2] if q.shape[2] in SPECIALISED_HEAD_DIMS else 0)
         out = np.empty(tuple(q.shape), np.float32)
         if q.shape[0]:
-            self.kernel(q.float().contiguous().numpy(), k_cache, v_cache, _NO_SCALES, _NO_SCALES, False, self.tables,
-                        self.lens, self.scale, self.window, out)
+            k_scale, v_scale = scales if scales is not None else (_NO_SCALES, _NO_SCALES)
+            self.kernel(q.float().contiguous().numpy(), k_cache, v_cache, k_scale, v_scale, scales is not None,
+                        self.tables, self.lens, self.scale, self.window, out)
         return torch.from_numpy(out).to(q.dtype)

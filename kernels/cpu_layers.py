@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numba
 import numpy as np
 import torch
 from llvmlite import ir
@@ -165,11 +166,12 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 @njit(fastmath=FASTMATH, cache=True, boundscheck=False, nogil=True)
-def _rotary_write_kv(qkv, num_heads, num_kv_heads, positions, cos_sin, q_out, k_cache, v_cache,
+def _rotary_write_kv(qkv, num_heads, num_kv_heads, positions, cos_sin, q_out, k_rows, v_rows,
                      slots):  # type: ignore[no-untyped-def]
     """The q/k/v projection's rows ``qkv [T, (Hq + 2 Hkv) * D]``: rotate-half RoPE of the query heads into
-    ``q_out [T, Hq, D]``; the rotated key heads and the value heads into ``[slots, Hkv, D]`` caches of ``qkv``'s
-    dtype (slots < 0 skipped). What ``_rotate`` on q and k, then ``_write_kv``, compute, in one pass."""
+    ``q_out [T, Hq, D]``; the rotated key heads and the value heads into rows ``[S, Hkv, D]`` of ``qkv``'s dtype at
+    ``slots[T]`` (< 0 skipped): a float cache's rows at the step's slots, or a step buffer at 0..T-1 that the
+    int8 write quantizes. What ``_rotate`` on q and k, then ``_write_kv``, compute, in one pass."""
     dim = q_out.shape[2]
     half = dim // 2
     for t in range(qkv.shape[0]):
@@ -189,11 +191,11 @@ def _rotary_write_kv(qkv, num_heads, num_kv_heads, positions, cos_sin, q_out, k_
             for j in range(half):
                 c, s = cos_sin[p, j], cos_sin[p, half + j]
                 a, b = _as_f32(qkv[t, base + j]), _as_f32(qkv[t, base + half + j])
-                k_cache[slot, h, j] = _store(k_cache, a * c - b * s)
-                k_cache[slot, h, half + j] = _store(k_cache, b * c + a * s)
+                k_rows[slot, h, j] = _store(k_rows, a * c - b * s)
+                k_rows[slot, h, half + j] = _store(k_rows, b * c + a * s)
             base = (num_heads + num_kv_heads + h) * dim
             for j in range(dim):
-                v_cache[slot, h, j] = qkv[t, base + j]
+                v_rows[slot, h, j] = qkv[t, base + j]
 
 
 class CpuStep:
@@ -206,18 +208,19 @@ class CpuStep:
     layer then calls straight into numba with views made once: the normed rows and the rotated queries
     live in buffers reused by every layer (each is consumed by the next matmul or attention before
     the layer writes it again), the residual stream in two that take turns, rotary and the KV write are one pass
-    (``_rotary_write_kv``), and decode attention gets its block tables and lengths converted once. The
+    (``_rotary_write_kv``; into int8 caches through one quantizing write), and decode attention gets its
+    block tables and lengths converted once. The
     values are bit for bit the per-call kernels' (``tests/kernels/test_cpu_layers.py``).
     The caller guarantees what ``ops.cpu_step`` checked: every layer's tensors have the step's token
     count, dtype and head layout, and its caches the shape of those it was given.
     """
 
     __slots__ = ("num_heads", "num_kv_heads", "head_dim", "eps", "positions", "cos_sin", "slots", "normed",
-                 "_normed", "_sums", "q", "_q", "_decode", "_np_of")
+                 "_normed", "_sums", "q", "_q", "_kv", "_decode", "_np_of")
 
     def __init__(self, tokens: int, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  eps: float, positions: torch.Tensor, slot_mapping: torch.Tensor, cos_sin: torch.Tensor,
-                 decode: tuple[torch.Tensor, torch.Tensor, float, int | None] | None) -> None:
+                 decode: tuple[torch.Tensor, torch.Tensor, float, int | None] | None, quantized: bool = False) -> None:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.eps = np.float32(eps)
         self.positions = positions.to(torch.int64).contiguous().numpy()
@@ -228,13 +231,19 @@ class CpuStep:
         self._sums = [(b, _np(b)) for b in (torch.empty((tokens, hidden), dtype=dtype) for _ in range(2))]
         self.q = torch.empty((tokens, num_heads, head_dim), dtype=dtype)
         self._q = _np(self.q)
+        # int8 caches: rotated keys and the values first go to these rows, then one quantizing write takes them
+        self._kv = None
+        if quantized:
+            rows = [_np(torch.empty((tokens, num_kv_heads, head_dim), dtype=dtype)) for _ in range(2)]
+            self._kv = (rows[0], rows[1], np.arange(tokens, dtype=np.int64))
+            numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
         self._decode = None
         if decode is not None:
             from apiary.kernels import cpu_attention
 
             tables, lens, scale, window = decode
             self._decode = cpu_attention.Prepared(tables, lens, scale, window)
-        self._np_of: dict[int, np.ndarray] = {}  # numpy views of tensors that outlive the step (weights, caches)
+        self._np_of: dict[object, np.ndarray] = {}  # numpy views of tensors that outlive the step (weights, caches)
 
     def _lasting(self, t: torch.Tensor) -> np.ndarray:
         """A numpy view of a weight or cache, made once per step."""
@@ -245,10 +254,14 @@ class CpuStep:
 
     def _rows(self, cache: torch.Tensor) -> np.ndarray:
         """A ``[num_blocks, block_size, Hkv, D]`` cache as ``[slots, Hkv, D]`` rows (numpy), made once per step."""
-        key = -id(cache)  # apart from the 4-D view of the same tensor
+        return self._lasting_view(cache, (-1, self.num_kv_heads, self.head_dim))
+
+    def _lasting_view(self, t: torch.Tensor, shape: tuple[int, ...]) -> np.ndarray:
+        """``t.view(shape)`` as numpy, made once per step (apart from the tensor's other views)."""
+        key = (id(t), shape)
         view = self._np_of.get(key)
         if view is None:
-            view = self._np_of[key] = _np(cache.view(-1, self.num_kv_heads, self.head_dim))
+            view = self._np_of[key] = _np(t.view(shape))
         return view
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor,
@@ -265,14 +278,29 @@ class CpuStep:
         _rms_norm(xs, _np(residual), True, self._lasting(weight), self.eps, self._normed, out_np)
         return self.normed, out
 
-    def rotary_write_kv(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def rotary_write_kv(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Rotated queries ``[T, Hq, D]`` (the step's buffer, valid until the next call); rotated keys and the
-        values into the caches at the step's slots."""
-        _rotary_write_kv(_np(qkv), self.num_heads, self.num_kv_heads, self.positions, self.cos_sin, self._q,
-                         self._rows(k_cache), self._rows(v_cache), self.slots)
+        values into the caches at the step's slots (int8 caches: quantized per token and KV head, with the
+        scales ``cpu_quant.write_kv_int8`` gives)."""
+        if self._kv is None:
+            _rotary_write_kv(_np(qkv), self.num_heads, self.num_kv_heads, self.positions, self.cos_sin, self._q,
+                             self._rows(k_cache), self._rows(v_cache), self.slots)
+            return self.q
+        from apiary.kernels import cpu_quant
+
+        keys, values, rows = self._kv
+        _rotary_write_kv(_np(qkv), self.num_heads, self.num_kv_heads, self.positions, self.cos_sin, self._q, keys,
+                         values, rows)
+        cpu_quant.write_rows_int8(keys, values, self._rows(k_cache), self._rows(v_cache),
+                                  self._lasting_view(k_scale, (-1, self.num_kv_heads)),
+                                  self._lasting_view(v_scale, (-1, self.num_kv_heads)), self.slots)
         return self.q
 
-    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """The step's decode rows' attention (``q``: its first ``num_decode_tokens`` rows)."""
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """The step's decode rows' attention (``q``: its first ``num_decode_tokens`` rows; int8 caches with their
+        scales)."""
         assert self._decode is not None, "this step has no decode rows"
-        return self._decode(q, self._lasting(k_cache), self._lasting(v_cache))
+        scales = None if k_scale is None or v_scale is None else (self._lasting(k_scale), self._lasting(v_scale))
+        return self._decode(q, self._lasting(k_cache), self._lasting(v_cache), scales)

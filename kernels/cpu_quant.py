@@ -142,3 +142,10 @@ def write_kv_int8(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     _write_kv_int8(_rows(key), _rows(value), k_cache.view(-1, heads, dim).numpy(), v_cache.view(-1, heads, dim).numpy(),
                    k_scale.view(-1, heads).numpy(), v_scale.view(-1, heads).numpy(),
                    slot_mapping.to(torch.int64).contiguous().numpy(), np.float32(MIN_ABSMAX))
+
+
+def write_rows_int8(key: np.ndarray, value: np.ndarray, k_rows: np.ndarray, v_rows: np.ndarray, k_scale: np.ndarray,
+                    v_scale: np.ndarray, slots: np.ndarray) -> None:
+    """``write_kv_int8`` on numpy views its caller checked (``cpu_layers.CpuStep``, which sets numba's threads):
+    ``key``/``value`` ``[T, Hkv, D]`` (bf16 as int16 bits), caches ``[S, Hkv, D]`` int8, scales ``[S, Hkv]``."""
+    _write_kv_int8(key, value, k_rows, v_rows, k_scale, v_scale, slots, np.float32(MIN_ABSMAX))

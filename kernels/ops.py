@@ -5,6 +5,9 @@
 kernel (``apiary.kernels.cpu_attention``) serves for float32, bfloat16 and int8 caches (``decode_backend``),
 per-row int8 quantization of CPU batches (``quantize_rows``, ``apiary.kernels.cpu_quant``), and
 RMSNorm, rotary and the float KV write of CPU float32/bfloat16 tensors (``apiary.kernels.cpu_layers``).
+``cpu_step`` hands a CPU forward pass those kernels checked once for all its layers
+(``apiary.kernels.cpu_layers.CpuStep``): at decode sizes the per-call checks and views cost ten times the
+kernels.
 ``set_backend("torch"|"triton")`` or the env var ``APIARY_KERNELS=torch|triton`` forces one; forcing Triton on CPU tensors works only under the
 Triton interpreter (``TRITON_INTERPRET=1``), which is how the kernels are tested without a GPU.
 int8 KV caches (per-token, per-KV-head float32 scales beside them: ``k_scale``/``v_scale``
@@ -21,12 +24,15 @@ import importlib.util
 import os
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from apiary.kernels import reference
 from apiary.kernels.errors import KernelError
+
+if TYPE_CHECKING:
+    from apiary.kernels.cpu_layers import CpuStep
 
 BACKENDS = ("auto", "torch", "triton")
 DECODE_BACKENDS = ("auto", "torch", "triton", "numba")  # paged_decode_attention's per-call ``backend``
@@ -341,10 +347,12 @@ def cpu_step(tokens: int, hidden: int, num_heads: int, num_kv_heads: int, head_d
              eps: float, positions: torch.Tensor, slot_mapping: torch.Tensor, cos_sin_cache: torch.Tensor,
              k_cache: torch.Tensor, v_cache: torch.Tensor, num_decode_tokens: int, decode_block_tables: torch.Tensor,
              decode_context_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
-             decode_backend_name: str | None = None) -> Any:
+             decode_backend_name: str | None = None, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> CpuStep | None:
     """A CPU forward pass's per-layer kernels checked once (``apiary.kernels.cpu_layers.CpuStep``), or None where
     they do not serve: not the ``auto`` backend, no numba, a non-CPU device, a dtype other than float32/bfloat16,
-    int8 caches, or decode attention other than numba's (``decode_backend_name``, see ``decode_backend``).
+    or decode attention other than numba's (``decode_backend_name``, see ``decode_backend``). Caches hold
+    ``dtype`` rows, or int8 ones with their ``k_scale``/``v_scale``.
 
     ``k_cache``/``v_cache``: one layer's caches; the caller guarantees every layer's are alike, and that the
     tensors it hands the step's methods have ``tokens`` rows of ``dtype`` in the layout checked here.
@@ -356,9 +364,10 @@ def cpu_step(tokens: int, hidden: int, num_heads: int, num_kv_heads: int, head_d
         _check_tensor(name, t)
         if t.device.type != "cpu":
             return None
-    if k_cache.dtype != dtype or decode_backend(k_cache.device, k_cache.dtype, decode_backend_name) != "numba":
+    if (k_cache.dtype not in (dtype, torch.int8)
+            or decode_backend(k_cache.device, k_cache.dtype, decode_backend_name) != "numba"):
         return None
-    _check_cache(k_cache, v_cache)
+    quantized = _check_cache(k_cache, v_cache, k_scale, v_scale)
     _check(tuple(k_cache.shape[2:]) == (num_kv_heads, head_dim) and num_heads % num_kv_heads == 0,
            lambda: f"the caches hold [..., {k_cache.shape[2]}, {k_cache.shape[3]}], not {num_kv_heads} KV heads of "
                    f"{head_dim} for {num_heads} query heads")
@@ -376,7 +385,7 @@ def cpu_step(tokens: int, hidden: int, num_heads: int, num_kv_heads: int, head_d
                          decode_block_tables, decode_context_lens, num_decode_tokens, scale, sliding_window)
         decode = (decode_block_tables, decode_context_lens, float(scale), sliding_window)
     return _cpu_layers().CpuStep(tokens, hidden, num_heads, num_kv_heads, head_dim, dtype, float(eps), positions,
-                                 slot_mapping, cos_sin_cache, decode)
+                                 slot_mapping, cos_sin_cache, decode, quantized)
 
 
 def _cpu_layers_serve(*tensors: torch.Tensor) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,6 +22,9 @@ from apiary.cloud.engine.int8 import Int8Linear
 from apiary.cloud.engine.kv_cache import LayerKV
 from apiary.cloud.engine.linear import Linear
 from apiary.kernels import ops
+
+if TYPE_CHECKING:
+    from apiary.kernels.cpu_layers import CpuStep
 
 
 @dataclass(slots=True)
@@ -162,10 +165,11 @@ class LlamaModel:
         c = config
         self.qkv_split = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
 
-    def _attention(self, q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, step: Any = None) -> torch.Tensor:
+    def _attention(self, q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata,
+                   step: CpuStep | None = None) -> torch.Tensor:
         nd, window = meta.num_decode_tokens, self.config.sliding_window
         if step is not None:
-            parts = [step.decode_attention(q[:nd], kv.k, kv.v)] if nd else []
+            parts = [step.decode_attention(q[:nd], kv.k, kv.v, kv.k_scale, kv.v_scale)] if nd else []
         else:
             parts = [ops.paged_decode_attention(q[a:b], kv.k, kv.v, meta.decode_block_tables[a:b],
                                                 meta.decode_context_lens[a:b], self.scale, window, self.decode_backend,
@@ -195,7 +199,7 @@ class LlamaModel:
                 raise StepInterrupted
             if step is not None:  # the same layer on CPU, its small ops checked once per pass (CpuStep)
                 h, residual = step.rms_norm(x, layer.input_norm, residual)
-                q = step.rotary_write_kv(layer.qkv(h), kv.k, kv.v)
+                q = step.rotary_write_kv(layer.qkv(h), kv.k, kv.v, kv.k_scale, kv.v_scale)
                 attn = self._attention(q, kv, meta, step)
                 h, residual = step.rms_norm(layer.o_proj(attn.reshape(t, -1)), layer.post_norm, residual)
                 gate, up = layer.gate_up(h).chunk(2, dim=-1)
@@ -217,16 +221,17 @@ class LlamaModel:
         out, _ = ops.rms_norm(x, self.norm, c.rms_norm_eps, residual)
         return out
 
-    def _cpu_step(self, t: int, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list[LayerKV]) -> Any:
-        """``kernels.ops.cpu_step`` for this pass (None off the CPU path: CUDA, int8 caches, forced backends,
-        the torch attention reference); its kernels compute what the per-call ops compute."""
-        if self.device.type != "cpu" or not kv_caches or kv_caches[0].k_scale is not None:
+    def _cpu_step(self, t: int, positions: torch.Tensor, meta: AttentionMetadata,
+                  kv_caches: list[LayerKV]) -> CpuStep | None:
+        """``kernels.ops.cpu_step`` for this pass (None off the CPU path: CUDA, forced backends, the torch attention
+        reference); its kernels compute what the per-call ops compute."""
+        if self.device.type != "cpu" or not kv_caches:
             return None
         c = self.config
         return ops.cpu_step(t, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, self.dtype, c.rms_norm_eps,
                             positions, meta.slot_mapping, self.cos_sin, kv_caches[0].k, kv_caches[0].v,
                             meta.num_decode_tokens, meta.decode_block_tables, meta.decode_context_lens, self.scale,
-                            c.sliding_window, self.decode_backend)
+                            c.sliding_window, self.decode_backend, kv_caches[0].k_scale, kv_caches[0].v_scale)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden).float()

@@ -147,7 +147,7 @@ def test_cpu_step_decode_attention_is_the_kernels(dtype):
 
 
 def test_cpu_step_serves_only_where_its_kernels_do():
-    """None (the caller takes the per-call ops) off its path; a clear error for a layout that cannot be right."""
+    """None (the caller takes the per-call ops) off its path; a clear error for input that cannot be right."""
     assert _step(torch.float16)[0] is None  # no numba kernels for float16
     previous = ops.get_backend()
     try:
@@ -161,7 +161,8 @@ def test_cpu_step_serves_only_where_its_kernels_do():
     table = reference.rotary_cos_sin_cache(16, d)
     pos, slots = torch.arange(t), torch.arange(t)
     none = torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
-    assert ops.cpu_step(t, 576, 9, 3, d, torch.float32, 1e-5, pos, slots, table, cache, cache, 0, *none, 0.1) is None
+    with pytest.raises(ops.KernelError, match="int8 caches need k_scale"):
+        ops.cpu_step(t, 576, 9, 3, d, torch.float32, 1e-5, pos, slots, table, cache, cache, 0, *none, 0.1)
     cache = torch.zeros(2, 16, 3, d)
     assert ops.cpu_step(t, 576, 9, 3, d, torch.float32, 1e-5, pos, slots, table, cache, cache, 0, *none, 0.1,
                         decode_backend_name="torch") is None  # the torch attention reference was asked for
@@ -173,3 +174,34 @@ def test_cpu_step_serves_only_where_its_kernels_do():
         ops.cpu_step(t, 576, 9, 3, d, torch.float32, 1e-5, pos, slots, table.double(), cache, cache, 0, *none, 0.1)
     with pytest.raises(ops.KernelError, match="block_tables has"):
         ops.cpu_step(t, 576, 9, 3, d, torch.float32, 1e-5, pos, slots, table, cache, cache, 2, *none, 0.1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cpu_step_over_int8_caches_writes_and_reads_what_the_per_call_kernels_do(dtype):
+    """int8 KV rows: the rotated keys and the values quantized with the scales ``ops.write_kv`` gives them, and
+    decode attention over them equal to ``ops.paged_decode_attention``'s, bit for bit."""
+    t, nd, hq, hkv, d = 7, 4, 9, 3, 64
+    g = torch.Generator().manual_seed(5)
+    caches = [torch.randint(-127, 128, (6, 16, hkv, d), generator=g, dtype=torch.int8) for _ in range(2)]
+    scales = [torch.rand(6, 16, hkv, generator=g) / 50 for _ in range(2)]
+    positions = torch.randint(0, 80, (t,), generator=g)
+    slots = torch.randperm(96, generator=g)[:t]
+    slots[2] = -1
+    tables = torch.randint(0, 6, (nd, 6), generator=g, dtype=torch.int32)
+    lens = torch.randint(1, 90, (nd,), generator=g, dtype=torch.int32)
+    table = reference.rotary_cos_sin_cache(128, d, 10000.0)
+    want = [x.clone() for x in (*caches, *scales)]
+    step = ops.cpu_step(t, 576, hq, hkv, d, dtype, 1e-5, positions, slots, table, caches[0], caches[1], nd, tables,
+                        lens, d ** -0.5, k_scale=scales[0], v_scale=scales[1])
+    assert step is not None
+    qkv = (torch.randn(t, (hq + 2 * hkv) * d, generator=g) * 3).to(dtype)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    want_q, want_k = ops.apply_rotary(q.view(t, hq, d), k.view(t, hkv, d), positions, table)
+    ops.write_kv(want_k, v.reshape(t, hkv, d), want[0], want[1], slots, want[2], want[3])
+    got_q = step.rotary_write_kv(qkv, caches[0], caches[1], scales[0], scales[1])
+    assert torch.equal(got_q, want_q)
+    for got, expected in zip((*caches, *scales), want):
+        assert torch.equal(got, expected)
+    expected = ops.paged_decode_attention(got_q[:nd], *caches, tables, lens, d ** -0.5, k_scale=scales[0],
+                                          v_scale=scales[1])
+    assert torch.equal(step.decode_attention(got_q[:nd], *caches, *scales), expected)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -58,18 +59,24 @@ def test_a_budget_holds_nearly_four_times_the_float32_tokens_in_int8(tiny_llama:
 def test_the_engine_runs_its_kernels_once_before_it_serves(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A fresh process loads each numba kernel on its first call (0.37 s for the int8 KV write, measured as
     the first request's TTFT through HTTP: 0.47-0.67 s against 0.21-0.26 s for the tenth): the runner makes
-    one decode call and one prefill call when it is built, writing into free block 0."""
-    from apiary.kernels import ops
+    one decode call and one prefill call when it is built, writing into free block 0 (through the CPU step's
+    kernels: ``kernels.ops.cpu_step``)."""
+    from apiary.kernels import cpu_attention, cpu_quant, ops
 
-    calls: list[str] = []
-    for name in ("write_kv", "paged_decode_attention", "paged_prefill_attention"):
-        original = getattr(ops, name)
-        monkeypatch.setattr(ops, name, lambda *a, _f=original, _n=name, **k: (calls.append((_n, a[2].dtype)), _f(*a, **k))[1])
+    calls: list[tuple[str, torch.dtype | None]] = []
+
+    def spy(owner: object, name: str, dtype_of) -> None:  # type: ignore[no-untyped-def]
+        original = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, **k: (calls.append((name, dtype_of(a))), original(*a, **k))[1])
+
+    spy(cpu_quant, "write_rows_int8", lambda a: torch.int8 if a[2].dtype == np.int8 else None)
+    spy(cpu_attention.Prepared, "__call__", lambda a: torch.int8 if a[2].dtype == np.int8 and a[4] else None)
+    spy(ops, "paged_prefill_attention", lambda a: a[2].dtype)
     engine = LLMEngine(EngineConfig(model_path=tiny_llama, dtype="float32", kv_cache_bytes=1 << 20,
                                     kv_cache_dtype="int8"))
     layers = engine.runner.model_config.num_layers
-    assert sorted(set(calls)) == [("paged_decode_attention", torch.int8), ("paged_prefill_attention", torch.int8),
-                                  ("write_kv", torch.int8)]
+    assert sorted(set(calls)) == [("__call__", torch.int8), ("paged_prefill_attention", torch.int8),
+                                  ("write_rows_int8", torch.int8)]
     assert len(calls) == 3 * layers and not engine.has_unfinished()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 

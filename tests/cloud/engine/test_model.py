@@ -192,13 +192,16 @@ def _run_mixed_steps(engine: LLMEngine) -> list[tuple[list[int], list[float]]]:
              + [v for lp in finals[i].logprobs for _, v in lp.top]) for i in ids]
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["tiny_llama", "tiny_qwen2"])
-def test_cpu_steps_compute_what_the_per_call_ops_do(name: str, dtype: str, request: pytest.FixtureRequest,
+def test_cpu_steps_compute_what_the_per_call_ops_do(name: str, dtype: str, kv_cache_dtype: str,
+                                                    request: pytest.FixtureRequest,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The CPU forward with its small ops checked once per pass (``kernels.ops.cpu_step``) generates the very
     tokens and logprobs (float equality) of the forward that calls ``kernels.ops`` per op: Llama, and Qwen2's
-    q/k/v biases, in float32 and bf16, over steps mixing decode rows, prefill chunks and chunked prefill."""
+    q/k/v biases, in float32 and bf16, float and int8 KV rows, over steps mixing decode rows, prefill chunks and
+    chunked prefill."""
     from apiary.kernels import ops
 
     folder = request.getfixturevalue(name)
@@ -207,7 +210,7 @@ def test_cpu_steps_compute_what_the_per_call_ops_do(name: str, dtype: str, reque
 
     def engine() -> LLMEngine:
         return LLMEngine(EngineConfig(model_path=folder, dtype=dtype, kv_cache_bytes=4 << 20, block_size=8,
-                                      max_num_batched_tokens=24))
+                                      max_num_batched_tokens=24, kv_cache_dtype=kv_cache_dtype))
 
     fast = _run_mixed_steps(engine())
     assert taken and all(step is not None for step in taken)
