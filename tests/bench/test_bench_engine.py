@@ -89,10 +89,11 @@ def test_http_systems_serve_the_same_requests_and_report_ratio_rss_and_warm_up(t
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """``--systems cloud-http,llama-server``: each server started as its own process, the same streamed requests
     (every one exactly max_tokens long), the ratio between them, the servers' peak RSS and their warm-up probes.
-    Without a built llama-server, cloud-http alone (the ratio column then says "-")."""
+    Without a built llama-server, cloud-http alone (the ratio column then says "-"). The engine alone beside
+    them at more requests in flight than the clients: the run says so and records each system's concurrency."""
     from apiary.bench.http_serving import LLAMA_SERVER, WARMUP_PROBES
 
-    systems = ["cloud-http"] + (["llama-server"] if LLAMA_SERVER.is_file() else [])
+    systems = ["cloud-http", "engine"] + (["llama-server"] if LLAMA_SERVER.is_file() else [])
     monkeypatch.chdir(tmp_path)
     app = typer.Typer()
     app.command()(bench_engine.command)
@@ -103,7 +104,9 @@ def test_http_systems_serve_the_same_requests_and_report_ratio_rss_and_warm_up(t
     record = json.loads((tmp_path / "results" / "bench" / "engine.json").read_text())
     rows = {row[0]: dict(zip(record["columns"], row)) for row in record["rows"]}
     assert set(rows) == set(systems)
-    for system in systems:
+    assert record["requests_in_flight"] == {s: 64 if s == "engine" else 2 for s in systems}
+    assert "note: engine ran up to 64 requests at a time, the HTTP systems 2 clients" in result.output
+    for system in set(systems) - {"engine"}:
         assert rows[system]["output tok"] == record["workload"]["output_tokens"]  # ignore_eos: exactly max_tokens
         assert rows[system]["peak RSS MB"] > 50
         (probes,) = record["http"][system]["warmup_ttfts_per_round"]
