@@ -216,3 +216,26 @@ def test_cpu_steps_compute_what_the_per_call_ops_do(name: str, dtype: str, kv_ca
     assert taken and all(step is not None for step in taken)
     monkeypatch.setattr(ops, "cpu_step", lambda *a, **k: None)
     assert fast == _run_mixed_steps(engine())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_real_model_cpu_steps_compute_what_the_per_call_ops_do(gguf_path: Path, kv_cache_dtype: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """SmolLM2 on its real weights in bf16 (the dtype ``auto`` serves on bf16 hosts; float32 elsewhere): the same
+    tokens and logprobs with the per-pass CPU step as with the per-call ops, over mixed steps."""
+    from apiary.kernels import ops
+
+    dtype = "bfloat16" if cpu.native_bf16(cpu.host_flags()) else "float32"
+
+    def engine() -> LLMEngine:
+        return LLMEngine(EngineConfig(model_path=gguf_path, dtype=dtype, kv_cache_bytes=64 << 20,
+                                      max_num_batched_tokens=48, kv_cache_dtype=kv_cache_dtype))
+
+    real, taken = ops.cpu_step, []
+    monkeypatch.setattr(ops, "cpu_step", lambda *a, **k: taken.append(real(*a, **k)) or taken[-1])
+    fast = _run_mixed_steps(engine())
+    assert taken and all(step is not None for step in taken)
+    monkeypatch.setattr(ops, "cpu_step", lambda *a, **k: None)
+    assert fast == _run_mixed_steps(engine())
