@@ -219,8 +219,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 class Prepared:
     """``paged_decode_attention`` for the decode rows of one step, whose every layer shares the block tables,
-    lengths, scale and window: those are converted (and numba's thread count set) once, not per layer.
-    The caller (``cpu_layers.CpuStep``) hands in the caches' numpy views (and an int8 pair's scales)."""
+    lengths, scale and window: those are converted once, not per layer. The caller (``cpu_layers.CpuStep``)
+    sets numba's thread count and hands in the caches' numpy views (and an int8 pair's scales)."""
 
     __slots__ = ("tables", "lens", "scale", "window", "kernel")
 
@@ -230,8 +230,6 @@ class Prepared:
         self.lens = context_lens.to(torch.int32).contiguous().numpy()
         self.scale, self.window = np.float32(scale), int(sliding_window or 0)
         self.kernel = None
-        # numba's thread count is per calling thread (the async engine steps in its own thread).
-        numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
 
     def __call__(self, q: torch.Tensor, k_cache: np.ndarray, v_cache: np.ndarray,
                  scales: tuple[np.ndarray, np.ndarray] | None = None) -> torch.Tensor:

@@ -206,13 +206,13 @@ class CpuStep:
     numpy views per call (``ops.rms_norm``: 32 us; rotary and the KV write the same), ~150 us per layer.
     ``kernels.ops.cpu_step`` checks the step's shapes, dtypes and devices once and builds this; every
     layer then calls straight into numba with views made once: the normed rows and the rotated queries
-    live in buffers reused by every layer (each is consumed by the next matmul or attention before
-    the layer writes it again), the residual stream in two that take turns, rotary and the KV write are one pass
-    (``_rotary_write_kv``; into int8 caches through one quantizing write), and decode attention gets its
-    block tables and lengths converted once. The
-    values are bit for bit the per-call kernels' (``tests/kernels/test_cpu_layers.py``).
-    The caller guarantees what ``ops.cpu_step`` checked: every layer's tensors have the step's token
-    count, dtype and head layout, and its caches the shape of those it was given.
+    live in buffers reused by every layer (each is consumed by the next matmul or attention before the
+    layer writes it again), the residual stream in two that take turns, rotary and the KV write are one
+    pass (``_rotary_write_kv``; into int8 caches through one quantizing write), and decode attention gets
+    its block tables and lengths converted once. The values are bit for bit the per-call kernels'
+    (``tests/kernels/test_cpu_layers.py``). The caller guarantees what ``ops.cpu_step`` checked: every
+    layer's tensors have the step's token count, dtype and head layout, and its caches the shape of
+    those it was given.
     """
 
     __slots__ = ("num_heads", "num_kv_heads", "head_dim", "eps", "positions", "cos_sin", "slots", "normed",
@@ -236,33 +236,27 @@ class CpuStep:
         if quantized:
             rows = [_np(torch.empty((tokens, num_kv_heads, head_dim), dtype=dtype)) for _ in range(2)]
             self._kv = (rows[0], rows[1], np.arange(tokens, dtype=np.int64))
-            numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
         self._decode = None
         if decode is not None:
             from apiary.kernels import cpu_attention
 
             tables, lens, scale, window = decode
             self._decode = cpu_attention.Prepared(tables, lens, scale, window)
-        self._np_of: dict[object, np.ndarray] = {}  # numpy views of tensors that outlive the step (weights, caches)
+        self._np_of: dict[tuple[int, tuple[int, ...] | None], np.ndarray] = {}  # views of weights, caches, scales
+        # numba's thread count is per calling thread (the async engine steps in its own thread): once per pass
+        numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
 
-    def _lasting(self, t: torch.Tensor) -> np.ndarray:
-        """A numpy view of a weight or cache, made once per step."""
-        view = self._np_of.get(id(t))
-        if view is None:
-            view = self._np_of[id(t)] = _np(t)
-        return view
-
-    def _rows(self, cache: torch.Tensor) -> np.ndarray:
-        """A ``[num_blocks, block_size, Hkv, D]`` cache as ``[slots, Hkv, D]`` rows (numpy), made once per step."""
-        return self._lasting_view(cache, (-1, self.num_kv_heads, self.head_dim))
-
-    def _lasting_view(self, t: torch.Tensor, shape: tuple[int, ...]) -> np.ndarray:
-        """``t.view(shape)`` as numpy, made once per step (apart from the tensor's other views)."""
+    def _lasting(self, t: torch.Tensor, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """A numpy view of a weight, cache or scale (``t.view(shape)`` with a shape), made once per step."""
         key = (id(t), shape)
         view = self._np_of.get(key)
         if view is None:
-            view = self._np_of[key] = _np(t.view(shape))
+            view = self._np_of[key] = _np(t if shape is None else t.view(shape))
         return view
+
+    def _rows(self, cache: torch.Tensor) -> np.ndarray:
+        """A ``[num_blocks, block_size, Hkv, D]`` cache as ``[slots, Hkv, D]`` rows."""
+        return self._lasting(cache, (-1, self.num_kv_heads, self.head_dim))
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor,
                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -293,8 +287,8 @@ class CpuStep:
         _rotary_write_kv(_np(qkv), self.num_heads, self.num_kv_heads, self.positions, self.cos_sin, self._q, keys,
                          values, rows)
         cpu_quant.write_rows_int8(keys, values, self._rows(k_cache), self._rows(v_cache),
-                                  self._lasting_view(k_scale, (-1, self.num_kv_heads)),
-                                  self._lasting_view(v_scale, (-1, self.num_kv_heads)), self.slots)
+                                  self._lasting(k_scale, (-1, self.num_kv_heads)),
+                                  self._lasting(v_scale, (-1, self.num_kv_heads)), self.slots)
         return self.q
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

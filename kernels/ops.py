@@ -380,7 +380,7 @@ def cpu_step(tokens: int, hidden: int, num_heads: int, num_kv_heads: int, head_d
                    f"{cos_sin_cache.dtype}")
     _check(isinstance(eps, (int, float)) and eps >= 0, lambda: f"eps must be >= 0, got {eps!r}")
     decode = None
-    if num_decode_tokens:
+    if num_decode_tokens:  # a stand-in query of the decode rows' shape: the checks read shapes and dtypes only
         _check_attention(torch.empty(num_decode_tokens, num_heads, head_dim, dtype=dtype), k_cache,
                          decode_block_tables, decode_context_lens, num_decode_tokens, scale, sliding_window)
         decode = (decode_block_tables, decode_context_lens, float(scale), sliding_window)
