@@ -1,6 +1,8 @@
 """The numba RMSNorm, rotary and KV write against the torch references, and ``kernels.ops`` routing CPU steps to them."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -94,10 +96,15 @@ def test_bad_input_is_a_kernel_error():
 
 # ---------------------------------------------------------------- CpuStep: one pass's kernels, checked once
 
-def _step(dtype, t=7, nd=4, hq=9, hkv=3, d=64, hidden=576, seed=0):
-    """A CpuStep over a small paged cache (``nd`` decode rows first), with what it was built from."""
+def _step(dtype, quantized=False, t=7, nd=4, hq=9, hkv=3, d=64, hidden=576, seed=0):
+    """A CpuStep over a small paged cache (``nd`` decode rows first; int8 rows with scales if ``quantized``) and
+    what it was built from."""
     g = torch.Generator().manual_seed(seed)
-    caches = [torch.randn(6, 16, hkv, d, generator=g).to(dtype) for _ in range(2)]
+    if quantized:
+        caches = [torch.randint(-127, 128, (6, 16, hkv, d), generator=g, dtype=torch.int8) for _ in range(2)]
+        scales = [torch.rand(6, 16, hkv, generator=g) / 50 for _ in range(2)]
+    else:
+        caches, scales = [torch.randn(6, 16, hkv, d, generator=g).to(dtype) for _ in range(2)], [None, None]
     positions = torch.randint(0, 80, (t,), generator=g)
     slots = torch.randperm(96, generator=g)[:t]
     slots[1] = -1  # a padding row: written nowhere
@@ -105,57 +112,63 @@ def _step(dtype, t=7, nd=4, hq=9, hkv=3, d=64, hidden=576, seed=0):
     lens = torch.randint(1, 90, (nd,), generator=g, dtype=torch.int32)
     table = reference.rotary_cos_sin_cache(128, d, 10000.0)
     step = ops.cpu_step(t, hidden, hq, hkv, d, dtype, 1e-5, positions, slots, table, caches[0], caches[1], nd, tables,
-                        lens, d ** -0.5)
-    return step, caches, positions, slots, table, tables, lens, g
+                        lens, d ** -0.5, k_scale=scales[0], v_scale=scales[1])
+    return SimpleNamespace(step=step, caches=caches, scales=scales, positions=positions, slots=slots, table=table,
+                           tables=tables, lens=lens, g=g)
 
 
+@pytest.mark.parametrize("quantized", [False, True], ids=["float-cache", "int8-cache"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_cpu_step_rotary_write_kv_is_rotary_then_the_kv_write(dtype):
+def test_cpu_step_rotary_write_kv_is_rotary_then_the_kv_write(dtype, quantized):
+    """Rotated queries, and the caches (int8 rows: with the scales ``ops.write_kv`` gives them) bit for bit."""
     t, hq, hkv, d = 7, 9, 3, 64
-    step, caches, positions, slots, table, _, _, g = _step(dtype)
-    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    s = _step(dtype, quantized)
+    qkv = (torch.randn(t, (hq + 2 * hkv) * d, generator=s.g) * 3).to(dtype)
     q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-    want_q, want_k = cpu_layers.apply_rotary(q.view(t, hq, d), k.view(t, hkv, d), positions, table)
-    want = [c.clone() for c in caches]
-    cpu_layers.write_kv(want_k, v.reshape(t, hkv, d), want[0], want[1], slots)
-    got_q = step.rotary_write_kv(qkv, caches[0], caches[1])
-    assert torch.equal(got_q, want_q)
-    assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])  # row 1 (slot -1) nowhere
+    want_q, want_k = ops.apply_rotary(q.view(t, hq, d), k.view(t, hkv, d), s.positions, s.table)
+    state = [x for x in (*s.caches, *s.scales) if x is not None]
+    want = [x.clone() for x in state]
+    ops.write_kv(want_k, v.reshape(t, hkv, d), *want[:2], s.slots, *want[2:])
+    assert torch.equal(s.step.rotary_write_kv(qkv, *s.caches, *s.scales), want_q)
+    for got, expected in zip(state, want):  # row 1 (slot -1) written nowhere
+        assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_cpu_step_norms_the_residual_stream_as_the_per_call_kernel(dtype):
     """Three layers' worth of norms through the step's buffers give the per-call kernel's values bit for bit."""
-    step, *_, g = _step(dtype)
-    weights = [torch.rand(576, generator=g).to(dtype) + 0.5 for _ in range(3)]
-    xs = [torch.randn(7, 576, generator=g).to(dtype) for _ in range(4)]
-    h, residual = step.rms_norm(xs[0], weights[0])
+    s = _step(dtype)
+    weights = [torch.rand(576, generator=s.g).to(dtype) + 0.5 for _ in range(3)]
+    xs = [torch.randn(7, 576, generator=s.g).to(dtype) for _ in range(4)]
+    h, residual = s.step.rms_norm(xs[0], weights[0])
     assert torch.equal(h, cpu_layers.rms_norm(xs[0], weights[0], 1e-5)) and residual is xs[0]
     want_residual = xs[0]
     for x, w in zip(xs[1:], weights):
-        h, residual = step.rms_norm(x, w, residual)
+        h, residual = s.step.rms_norm(x, w, residual)
         want_h, want_residual = cpu_layers.rms_norm(x, w, 1e-5, want_residual)
         assert torch.equal(h, want_h) and torch.equal(residual, want_residual)
 
 
+@pytest.mark.parametrize("quantized", [False, True], ids=["float-cache", "int8-cache"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_cpu_step_decode_attention_is_the_kernels(dtype):
-    step, caches, _, _, _, tables, lens, g = _step(dtype)
-    q = torch.randn(4, 9, 64, generator=g).to(dtype)
-    want = ops.paged_decode_attention(q, caches[0], caches[1], tables, lens, 64 ** -0.5)
-    assert torch.equal(step.decode_attention(q, caches[0], caches[1]), want)
+def test_cpu_step_decode_attention_is_the_kernels(dtype, quantized):
+    s = _step(dtype, quantized)
+    q = torch.randn(4, 9, 64, generator=s.g).to(dtype)
+    want = ops.paged_decode_attention(q, *s.caches, s.tables, s.lens, 64 ** -0.5, k_scale=s.scales[0],
+                                      v_scale=s.scales[1])
+    assert torch.equal(s.step.decode_attention(q, *s.caches, *s.scales), want)
 
 
 def test_cpu_step_serves_only_where_its_kernels_do():
     """None (the caller takes the per-call ops) off its path; a clear error for input that cannot be right."""
-    assert _step(torch.float16)[0] is None  # no numba kernels for float16
+    assert _step(torch.float16).step is None  # no numba kernels for float16
     previous = ops.get_backend()
     try:
         ops.set_backend("torch")
-        assert _step(torch.float32)[0] is None
+        assert _step(torch.float32).step is None
     finally:
         ops.set_backend(previous)
-    assert _step(torch.float32)[0] is not None
+    assert _step(torch.float32).step is not None
     t, d = 3, 64
     cache = torch.zeros(2, 16, 3, d, dtype=torch.int8)
     table = reference.rotary_cos_sin_cache(16, d)
@@ -174,34 +187,3 @@ def test_cpu_step_serves_only_where_its_kernels_do():
         ops.cpu_step(t, 576, 9, 3, d, torch.float32, 1e-5, pos, slots, table.double(), cache, cache, 0, *none, 0.1)
     with pytest.raises(ops.KernelError, match="block_tables has"):
         ops.cpu_step(t, 576, 9, 3, d, torch.float32, 1e-5, pos, slots, table, cache, cache, 2, *none, 0.1)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_cpu_step_over_int8_caches_writes_and_reads_what_the_per_call_kernels_do(dtype):
-    """int8 KV rows: the rotated keys and the values quantized with the scales ``ops.write_kv`` gives them, and
-    decode attention over them equal to ``ops.paged_decode_attention``'s, bit for bit."""
-    t, nd, hq, hkv, d = 7, 4, 9, 3, 64
-    g = torch.Generator().manual_seed(5)
-    caches = [torch.randint(-127, 128, (6, 16, hkv, d), generator=g, dtype=torch.int8) for _ in range(2)]
-    scales = [torch.rand(6, 16, hkv, generator=g) / 50 for _ in range(2)]
-    positions = torch.randint(0, 80, (t,), generator=g)
-    slots = torch.randperm(96, generator=g)[:t]
-    slots[2] = -1
-    tables = torch.randint(0, 6, (nd, 6), generator=g, dtype=torch.int32)
-    lens = torch.randint(1, 90, (nd,), generator=g, dtype=torch.int32)
-    table = reference.rotary_cos_sin_cache(128, d, 10000.0)
-    want = [x.clone() for x in (*caches, *scales)]
-    step = ops.cpu_step(t, 576, hq, hkv, d, dtype, 1e-5, positions, slots, table, caches[0], caches[1], nd, tables,
-                        lens, d ** -0.5, k_scale=scales[0], v_scale=scales[1])
-    assert step is not None
-    qkv = (torch.randn(t, (hq + 2 * hkv) * d, generator=g) * 3).to(dtype)
-    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-    want_q, want_k = ops.apply_rotary(q.view(t, hq, d), k.view(t, hkv, d), positions, table)
-    ops.write_kv(want_k, v.reshape(t, hkv, d), want[0], want[1], slots, want[2], want[3])
-    got_q = step.rotary_write_kv(qkv, caches[0], caches[1], scales[0], scales[1])
-    assert torch.equal(got_q, want_q)
-    for got, expected in zip((*caches, *scales), want):
-        assert torch.equal(got, expected)
-    expected = ops.paged_decode_attention(got_q[:nd], *caches, tables, lens, d ** -0.5, k_scale=scales[0],
-                                          v_scale=scales[1])
-    assert torch.equal(step.decode_attention(got_q[:nd], *caches, *scales), expected)

@@ -1,6 +1,7 @@
 """The model against independent references: transformers (same weights) and llama.cpp (same GGUF)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -192,6 +193,19 @@ def _run_mixed_steps(engine: LLMEngine) -> list[tuple[list[int], list[float]]]:
              + [v for lp in finals[i].logprobs for _, v in lp.top]) for i in ids]
 
 
+def _check_cpu_steps_match_per_call_ops(engine: Callable[[], LLMEngine], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_run_mixed_steps`` on a fresh ``engine()`` whose every pass took ``kernels.ops.cpu_step``, then on one whose
+    passes call ``kernels.ops`` per op: the same tokens and logprobs."""
+    from apiary.kernels import ops
+
+    real, taken = ops.cpu_step, []
+    monkeypatch.setattr(ops, "cpu_step", lambda *a, **k: taken.append(real(*a, **k)) or taken[-1])
+    fast = _run_mixed_steps(engine())
+    assert taken and all(step is not None for step in taken)
+    monkeypatch.setattr(ops, "cpu_step", lambda *a, **k: None)
+    assert fast == _run_mixed_steps(engine())
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["tiny_llama", "tiny_qwen2"])
@@ -202,20 +216,10 @@ def test_cpu_steps_compute_what_the_per_call_ops_do(name: str, dtype: str, kv_ca
     tokens and logprobs (float equality) of the forward that calls ``kernels.ops`` per op: Llama, and Qwen2's
     q/k/v biases, in float32 and bf16, float and int8 KV rows, over steps mixing decode rows, prefill chunks and
     chunked prefill."""
-    from apiary.kernels import ops
-
     folder = request.getfixturevalue(name)
-    real, taken = ops.cpu_step, []
-    monkeypatch.setattr(ops, "cpu_step", lambda *a, **k: taken.append(real(*a, **k)) or taken[-1])
-
-    def engine() -> LLMEngine:
-        return LLMEngine(EngineConfig(model_path=folder, dtype=dtype, kv_cache_bytes=4 << 20, block_size=8,
-                                      max_num_batched_tokens=24, kv_cache_dtype=kv_cache_dtype))
-
-    fast = _run_mixed_steps(engine())
-    assert taken and all(step is not None for step in taken)
-    monkeypatch.setattr(ops, "cpu_step", lambda *a, **k: None)
-    assert fast == _run_mixed_steps(engine())
+    _check_cpu_steps_match_per_call_ops(lambda: LLMEngine(EngineConfig(
+        model_path=folder, dtype=dtype, kv_cache_bytes=4 << 20, block_size=8, max_num_batched_tokens=24,
+        kv_cache_dtype=kv_cache_dtype)), monkeypatch)
 
 
 @pytest.mark.slow
@@ -225,17 +229,7 @@ def test_real_model_cpu_steps_compute_what_the_per_call_ops_do(gguf_path: Path, 
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """SmolLM2 on its real weights in bf16 (the dtype ``auto`` serves on bf16 hosts; float32 elsewhere): the same
     tokens and logprobs with the per-pass CPU step as with the per-call ops, over mixed steps."""
-    from apiary.kernels import ops
-
     dtype = "bfloat16" if cpu.native_bf16(cpu.host_flags()) else "float32"
-
-    def engine() -> LLMEngine:
-        return LLMEngine(EngineConfig(model_path=gguf_path, dtype=dtype, kv_cache_bytes=64 << 20,
-                                      max_num_batched_tokens=48, kv_cache_dtype=kv_cache_dtype))
-
-    real, taken = ops.cpu_step, []
-    monkeypatch.setattr(ops, "cpu_step", lambda *a, **k: taken.append(real(*a, **k)) or taken[-1])
-    fast = _run_mixed_steps(engine())
-    assert taken and all(step is not None for step in taken)
-    monkeypatch.setattr(ops, "cpu_step", lambda *a, **k: None)
-    assert fast == _run_mixed_steps(engine())
+    _check_cpu_steps_match_per_call_ops(lambda: LLMEngine(EngineConfig(
+        model_path=gguf_path, dtype=dtype, kv_cache_bytes=64 << 20, max_num_batched_tokens=48,
+        kv_cache_dtype=kv_cache_dtype)), monkeypatch)
