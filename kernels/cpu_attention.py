@@ -74,6 +74,121 @@ def _i32_bits_as_f32(typingctx, bits):  # type: ignore[no-untyped-def]
     return signature, codegen
 
 
+def _data(context, builder, array_type, array):  # type: ignore[no-untyped-def]
+    """The data pointer of a numba array value (float32 elements)."""
+    return context.make_array(array_type)(context, builder, array).data
+
+
+LANES = 16  # one AVX-512 register of float32: the varlen kernel pads each KV head's query rows to a multiple
+DOT_CHAINS = 4  # independent sums in _lane_dots (FMA latency 4 cycles, 1-2 issued per cycle)
+
+
+def _splat(builder, x):  # type: ignore[no-untyped-def]
+    """A float32 broadcast to all ``LANES`` lanes of a vector."""
+    i32, vec = ir.IntType(32), ir.VectorType(ir.FloatType(), LANES)
+    one = builder.insert_element(ir.Constant(vec, ir.Undefined), x, ir.Constant(i32, 0))
+    return builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined), ir.Constant(ir.VectorType(i32, LANES), [0] * LANES))
+
+
+def _close_loop(builder, counter, step, count, accs, totals, entry, loop, done):  # type: ignore[no-untyped-def]
+    """Wire a counted loop's phis (``counter`` by ``step`` up to ``count``; each ``accs[i]`` from zero to
+    ``totals[i]``), branch back or out, and return the totals as seen after the loop (zero if it never ran)."""
+    i64, zero = ir.IntType(64), ir.Constant(ir.VectorType(ir.FloatType(), LANES), [0.0] * LANES)
+    following = builder.add(counter, ir.Constant(i64, step))
+    counter.add_incoming(ir.Constant(i64, 0), entry)
+    counter.add_incoming(following, loop)
+    for acc, total in zip(accs, totals):
+        acc.add_incoming(zero, entry)
+        acc.add_incoming(total, loop)
+    builder.cbranch(builder.icmp_signed("<", following, count), loop, done)
+    builder.position_at_end(done)
+    results = [builder.phi(acc.type) for acc in accs]
+    for result, total in zip(results, totals):
+        result.add_incoming(zero, entry)
+        result.add_incoming(total, loop)
+    return results
+
+
+@intrinsic
+def _lane_dots(typingctx, out, out_at, q, q_at, q_stride, key, key_at, key_stride, n, factor):  # type: ignore[no-untyped-def]
+    """``out.flat[out_at : out_at + 16] = factor * sum_d q.flat[q_at + d * q_stride : … + 16] * key.flat[key_at + d *
+    key_stride]`` for d < n (a multiple of ``DOT_CHAINS``), over C-contiguous float32 arrays: 16 dot products at
+    once, one vector FMA per key element.
+
+    Why LLVM IR: written as numba loops, the 16 sums either go through memory on every step (LLVM cannot
+    prove a local array apart from the queries) or stay scalar; a vector value needs the IR. The arrays
+    themselves are passed (not their addresses) so numba keeps them alive across the call.
+    """
+    signature = types.void(out, types.intp, q, types.intp, types.intp, key, types.intp, types.intp, types.intp,
+                           types.float32)
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        out_arr, out_at, q_arr, q_at, stride, key_arr, key_at, key_stride, count, scale = args
+        f32, i64 = ir.FloatType(), ir.IntType(64)
+        vec = ir.VectorType(f32, LANES)
+        queries = builder.gep(_data(context, builder, sig.args[2], q_arr), [q_at])
+        keys = builder.gep(_data(context, builder, sig.args[5], key_arr), [key_at])
+        entry = builder.block
+        loop, done = builder.append_basic_block("lane_dots.loop"), builder.append_basic_block("lane_dots.done")
+        builder.cbranch(builder.icmp_signed(">", count, ir.Constant(i64, 0)), loop, done)
+        builder.position_at_end(loop)
+        # DOT_CHAINS independent sums (d mod DOT_CHAINS), so the FMAs do not wait on one another's latency.
+        d, accs = builder.phi(i64), [builder.phi(vec) for _ in range(DOT_CHAINS)]
+        totals = []
+        for u, acc in enumerate(accs):
+            du = builder.add(d, ir.Constant(i64, u))
+            row = builder.bitcast(builder.gep(queries, [builder.mul(du, stride)]), vec.as_pointer())
+            kd = builder.load(builder.gep(keys, [builder.mul(du, key_stride)]))
+            totals.append(builder.fadd(acc, builder.fmul(builder.load(row, align=4), _splat(builder, kd),
+                                                         flags=("fast",)), flags=("fast",)))
+        results = _close_loop(builder, d, DOT_CHAINS, count, accs, totals, entry, loop, done)
+        summed = results[0]
+        for result in results[1:]:
+            summed = builder.fadd(summed, result, flags=("fast",))
+        scaled = builder.fmul(summed, _splat(builder, scale), flags=("fast",))
+        target = builder.gep(_data(context, builder, sig.args[0], out_arr), [out_at])
+        builder.store(scaled, builder.bitcast(target, vec.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@intrinsic
+def _lane_sums(typingctx, out, out_at, p, p_at, p_stride, v, v_at, v_stride, n):  # type: ignore[no-untyped-def]
+    """``out.flat[out_at + 16 e : … + 16] = sum_t p.flat[p_at + t * p_stride : … + 16] * v.flat[v_at + t * v_stride
+    + e]`` for e < 16, t < n, over C-contiguous float32 arrays: the weighted sums of 16 value elements for 16
+    rows at once, in 16 registers.
+
+    Why: the weighted sum over tokens, done per row, loads and stores its accumulator on every token.
+    """
+    signature = types.void(out, types.intp, p, types.intp, types.intp, v, types.intp, types.intp, types.intp)
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        out_arr, out_at, p_arr, p_at, p_stride, v_arr, v_at, v_stride, count = args
+        f32, i64 = ir.FloatType(), ir.IntType(64)
+        vec = ir.VectorType(f32, LANES)
+        probs = builder.gep(_data(context, builder, sig.args[2], p_arr), [p_at])
+        values = builder.gep(_data(context, builder, sig.args[5], v_arr), [v_at])
+        entry = builder.block
+        loop, done = builder.append_basic_block("lane_sums.loop"), builder.append_basic_block("lane_sums.done")
+        builder.cbranch(builder.icmp_signed(">", count, ir.Constant(i64, 0)), loop, done)
+        builder.position_at_end(loop)
+        t = builder.phi(i64)
+        accs = [builder.phi(vec) for _ in range(LANES)]
+        p = builder.load(builder.bitcast(builder.gep(probs, [builder.mul(t, p_stride)]), vec.as_pointer()), align=4)
+        row = builder.gep(values, [builder.mul(t, v_stride)])
+        totals = [builder.fadd(acc, builder.fmul(p, _splat(builder, builder.load(builder.gep(row, [ir.Constant(i64, e)]))),
+                                                 flags=("fast",)), flags=("fast",))
+                  for e, acc in enumerate(accs)]
+        results = _close_loop(builder, t, 1, count, accs, totals, entry, loop, done)
+        out = builder.bitcast(builder.gep(_data(context, builder, sig.args[0], out_arr), [out_at]), vec.as_pointer())
+        for e, result in enumerate(results):
+            builder.store(result, builder.gep(out, [ir.Constant(i64, e)]), align=4)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
 @njit(fastmath=True, cache=True, inline="always")
 def _exp(x):  # type: ignore[no-untyped-def]
     """exp(x) for x <= 0 in float32 (Cephes' expf: within 2 ulp of ``np.exp``), in plain arithmetic.
@@ -179,6 +294,110 @@ def _decode_kernel(fixed_head_dim: int):  # type: ignore[no-untyped-def]
     return decode
 
 
+# Query runs up to this long (speculative verifications: the last token and k <= 8 drafts; short prefill
+# chunks) are served by the varlen kernel below; longer chunks are matmul-shaped work for SDPA.
+SHORT_QUERIES = 16
+
+
+@functools.cache
+def _varlen_kernel(fixed_head_dim: int):  # type: ignore[no-untyped-def]
+    """Attention for a short run of queries per sequence (a verification: the last token and its drafts), each
+    causal over the cache: every K/V row is read and widened once for all of a sequence's queries.
+
+    Why: per query, the decode kernel's dot products end in a horizontal sum (8 dependent shuffles and
+    adds for 64 products), and through the gather-and-SDPA reference a verification of 8 sequences x 4
+    positions took ~0.9 ms a layer against 0.3 ms for a 16-sequence decode; speculation was then slower
+    than plain decoding at 16 requests in flight (docs/speculative.md). Here the scores of all the query
+    rows that share a KV head (queries x heads per KV head, padded to ``LANES``) are one vector: each
+    widened key element multiplies a column of transposed queries, so no sum crosses lanes, and the
+    softmax runs across those rows too.
+    """
+
+    @njit(parallel=True, fastmath=True, cache=True, boundscheck=False, nogil=True)
+    def varlen(q, k_cache, v_cache, k_scale, v_scale, quantized, block_tables, cu_seqlens, context_lens, seqs,
+               scale, window, out):  # type: ignore[no-untyped-def]
+        """q ``[T, Hq, D]`` fp32; sequence ``b`` in ``seqs`` owns query rows ``cu_seqlens[b]:cu_seqlens[b+1]``,
+        the last of its ``context_lens[b]`` positions; out ``[T, Hq, D]`` fp32 (only those rows written)."""
+        num_heads = q.shape[1]
+        head_dim = fixed_head_dim if fixed_head_dim else q.shape[2]
+        block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+        group = num_heads // num_kv_heads
+        num_items = seqs.shape[0]
+        for item in prange(num_items):
+            b = seqs[item // 2 if item % 2 == 0 else num_items - 1 - item // 2]
+            row0, num_q = cu_seqlens[b], cu_seqlens[b + 1] - cu_seqlens[b]
+            end = context_lens[b]
+            first = end - num_q  # position of the first query
+            start = max(0, first + 1 - window) if window > 0 else 0
+            n = end - start
+            rows = num_q * group  # per KV head, row j = c * LANES + lane: query j // group, head h * group + j % group
+            chunks = (rows + LANES - 1) // LANES
+            # Arrays are indexed by loop variables only: a derived index (c * LANES + lane) gets numba's negative-
+            # index wraparound, which LLVM cannot prove away, and the loads become gathers.
+            q_t = np.zeros((num_kv_heads, head_dim, chunks, LANES), np.float32)
+            for h in range(num_kv_heads):
+                for j in range(rows):
+                    for d in range(head_dim):
+                        q_t[h, d, j // LANES, j % LANES] = q[row0 + j // group, h * group + j % group, d] * scale
+            scores = np.empty((num_kv_heads, n, chunks, LANES), np.float32)
+            # The sequence's K/V rows widened to float32 (V scaled, for int8 caches).
+            keys = np.empty((n, num_kv_heads, head_dim), np.float32)
+            values = np.empty((n, num_kv_heads, head_dim), np.float32)
+            for t in range(n):
+                pos = start + t
+                block, offset = block_tables[b, pos // block_size], pos % block_size
+                for h in range(num_kv_heads):
+                    key_scale = k_scale[block, offset, h] if quantized else np.float32(1.0)
+                    for d in range(head_dim):
+                        keys[t, h, d] = _as_f32(k_cache[block, offset, h, d])
+                    for c in range(chunks):
+                        # flat offsets, not views: a view costs numba two atomic reference-count updates
+                        _lane_dots(scores, ((h * n + t) * chunks + c) * LANES, q_t, (h * head_dim * chunks + c) * LANES,
+                                   chunks * LANES, keys, (t * num_kv_heads + h) * head_dim, 1, head_dim, key_scale)
+                    value_scale = v_scale[block, offset, h] if quantized else np.float32(1.0)
+                    for d in range(head_dim):  # widened once, for the weighted sums below
+                        values[t, h, d] = _as_f32(v_cache[block, offset, h, d]) * value_scale
+            # Causal (and window) mask: query i sees positions first + i - window + 1 .. first + i.
+            masked = np.float32(-3.0e38)
+            for t in range(n):
+                pos = start + t
+                lo_q = max(0, pos - first)
+                hi_q = num_q if window <= 0 else min(num_q, pos + window - first)
+                if lo_q > 0 or hi_q < num_q:
+                    for h in range(num_kv_heads):
+                        for j in range(rows):
+                            if j // group < lo_q or j // group >= hi_q:
+                                scores[h, t, j // LANES, j % LANES] = masked
+            top = np.full((num_kv_heads, chunks, LANES), masked, np.float32)
+            total = np.zeros((num_kv_heads, chunks, LANES), np.float32)
+            for h in range(num_kv_heads):
+                for t in range(n):
+                    for c in range(chunks):
+                        for lane in range(LANES):
+                            top[h, c, lane] = max(top[h, c, lane], scores[h, t, c, lane])
+                for t in range(n):
+                    for c in range(chunks):
+                        for lane in range(LANES):
+                            # a masked score's weight is exp(-87) ~ 1e-38 against at least 1: nothing in float32
+                            e = _exp(scores[h, t, c, lane] - top[h, c, lane])
+                            scores[h, t, c, lane] = e
+                            total[h, c, lane] += e
+            # The weighted sum the same way: per KV head, chunk and element d, the 16 rows' sums over tokens.
+            acc = np.empty((num_kv_heads, chunks, head_dim, LANES), np.float32)
+            for h in range(num_kv_heads):
+                for c in range(chunks):
+                    for d in range(0, head_dim, LANES):
+                        _lane_sums(acc, ((h * chunks + c) * head_dim + d) * LANES, scores, (h * n * chunks + c) * LANES,
+                                   chunks * LANES, values, h * head_dim + d, num_kv_heads * head_dim, n)
+            for h in range(num_kv_heads):
+                for j in range(rows):
+                    inv = np.float32(1.0) / total[h, j // LANES, j % LANES]
+                    for d in range(head_dim):
+                        out[row0 + j // group, h * group + j % group, d] = acc[h, j // LANES, d, j % LANES] * inv
+
+    return varlen
+
+
 def supports(k_cache: torch.Tensor) -> bool:
     """True if this kernel can serve a cache like ``k_cache`` (a CPU tensor of a supported dtype)."""
     return k_cache.device.type == "cpu" and k_cache.dtype in SUPPORTED_DTYPES
@@ -215,6 +434,29 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                        context_lens.to(torch.int32).contiguous().numpy(),
                        np.float32(scale), int(sliding_window or 0), out)
     return torch.from_numpy(out).to(q.dtype)
+
+
+def paged_short_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                  block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                                  seqs: torch.Tensor, scale: float, sliding_window: int | None = None,
+                                  k_scale: torch.Tensor | None = None,
+                                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of the query runs of sequences ``seqs`` (each at most ``SHORT_QUERIES`` long) over their
+    cache -> float32 ``[T, Hq, D]`` with those sequences' rows written and every other row zero.
+
+    Semantics are ``apiary.kernels.ops.paged_prefill_attention``'s; the caller checked the inputs.
+    """
+    out = np.zeros(tuple(q.shape), np.float32)
+    if seqs.numel():
+        numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+        quantized = k_cache.dtype == torch.int8
+        scales = (k_scale.numpy(), v_scale.numpy()) if quantized else (_NO_SCALES, _NO_SCALES)
+        kernel = _varlen_kernel(q.shape[2] if q.shape[2] in SPECIALISED_HEAD_DIMS else 0)
+        kernel(q.float().contiguous().numpy(), _cache_array(k_cache), _cache_array(v_cache), *scales, quantized,
+               block_tables.to(torch.int32).contiguous().numpy(), cu_seqlens_q.to(torch.int32).contiguous().numpy(),
+               context_lens.to(torch.int32).contiguous().numpy(), seqs.to(torch.int32).contiguous().numpy(),
+               np.float32(scale), int(sliding_window or 0), out)
+    return torch.from_numpy(out)
 
 
 class Prepared:

@@ -273,12 +273,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float,
                             sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
-                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                            v_scale: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
     """Causal attention of variable-length new tokens ``q[T, Hq, D]`` over their cached prefix -> ``[T, Hq, D]``.
 
     The new tokens' K/V must already be in the cache. Query i of sequence b sits at position
     ``context_lens[b] - q_len_b + i`` with ``q_len_b = cu_seqlens_q[b+1] - cu_seqlens_q[b]``.
-    int8 caches need their scales.
+    int8 caches need their scales. Where ``decode_backend`` picks numba (``backend`` as there), runs of at
+    most ``cpu_attention.SHORT_QUERIES`` queries (speculative verifications, short chunks) go to its varlen
+    kernel, which reads each cached row once for all of a run's queries; longer runs go to the reference.
     """
     quantized = _check_cache(k_cache, v_cache, k_scale, v_scale)
     _check_tensor("cu_seqlens_q", cu_seqlens_q, 1, int_=True)
@@ -295,6 +297,27 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         from apiary.kernels import cpu_quant  # imports numba: only once an int8 cache is read
 
         dequantize = cpu_quant.gather_dequantize  # int8 rows into the gather buffer in one pass, same values
+    if decode_backend(device, k_cache.dtype, backend) == "numba" and q.shape[-1] % 16 == 0:
+        from apiary.kernels import cpu_attention  # imports numba: only once a CPU attention runs
+
+        cu = cu_seqlens_q.long()
+        q_lens = cu[1:] - cu[:-1]
+        short = (q_lens > 0) & (q_lens <= cpu_attention.SHORT_QUERIES)
+        if bool(short.any()):
+            _check(bool((context_lens.long() >= q_lens).all()),
+                   lambda: "context_lens must count each sequence's new tokens (context_lens >= query lengths)")
+            out = cpu_attention.paged_short_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
+                                                              context_lens, torch.nonzero(short).flatten(),
+                                                              float(scale), sliding_window, k_scale, v_scale)
+            out = out.to(q.dtype)
+            long = q_lens > cpu_attention.SHORT_QUERIES
+            if bool(long.any()):  # the long runs alone through the reference, their rows put back in place
+                rows = torch.cat([torch.arange(int(cu[b]), int(cu[b + 1])) for b in torch.nonzero(long).flatten()])
+                sub_cu = torch.cat((cu[:1] * 0, torch.cumsum(q_lens[long], 0))).to(cu_seqlens_q.dtype)
+                out[rows] = reference.paged_prefill_attention(q[rows], k_cache, v_cache, block_tables[long], sub_cu,
+                                                              context_lens[long], float(scale), sliding_window,
+                                                              k_scale, v_scale, dequantize)
+            return out
     return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
                                              float(scale), sliding_window, k_scale, v_scale, dequantize)
 

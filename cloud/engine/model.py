@@ -178,7 +178,7 @@ class LlamaModel:
         if nd < q.shape[0]:
             parts.append(ops.paged_prefill_attention(q[nd:], kv.k, kv.v, meta.prefill_block_tables,
                                                      meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
-                                                     self.scale, window, kv.k_scale, kv.v_scale))
+                                                     self.scale, window, kv.k_scale, kv.v_scale, self.decode_backend))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

@@ -48,7 +48,20 @@ def generate(engine: LLMEngine, variant: str, prompts: list[list[int]], params: 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_greedy_outputs_identical_with_and_without_speculation(spec_engine: LLMEngine) -> None:
+def test_greedy_outputs_identical_with_and_without_speculation(spec_engine: LLMEngine,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """...and the verifications' attention (each sequence's last token and its drafts) comes from the numba
+    varlen kernel, which reads each cached row once for all of them."""
+    from apiary.kernels import cpu_attention
+
+    served: list[int] = []
+    kernel = cpu_attention.paged_short_prefill_attention
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        served.append(len(args[6]))
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_attention, "paged_short_prefill_attention", spy)
     engine = spec_engine
     prompts = prompts_for(engine)
     alone = prompts[::2]  # 2 structured + 1 free, each run by itself
@@ -67,4 +80,5 @@ def test_greedy_outputs_identical_with_and_without_speculation(spec_engine: LLME
             check_same_or_near_tie(engine, prompt, ref, got)
             exact += got == ref
     assert exact >= 16  # of 2 x 9 comparisons, nearly all exactly equal
+    assert len(served) >= 30 and max(served) >= 2  # every layer of the verifying steps, whole batches of them
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
