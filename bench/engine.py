@@ -39,7 +39,8 @@ WORDS = ("hive colony brood queen worker drone nectar pollen honey comb frame wa
          "entrance guard robbing varroa mite inspection super winter spring summer autumn beekeeper smoke "
          "the a of and to in is was rose fell steady kg degrees percent alert normal check report hive7 "
          "12 3.5 2024 why how when colony's bees' calm busy loud quiet").split()
-SYSTEMS = ("engine", "engine-torch-attn", "engine-fp32", "engine-int8", "engine-int8-fp32", "engine-kv8", "engine-bs1", "hf",
+SYSTEMS = ("engine", "engine-torch-attn", "engine-fp32", "engine-int8", "engine-int8-fp32", "engine-kv8", "engine-ngram",
+           "engine-bs1", "hf",
            "llama-cpp", "llama-server", "cloud-http", "cloud-http-int8", "cloud-http-kv8")
 HTTP_SYSTEMS = ("llama-server", "cloud-http", "cloud-http-int8", "cloud-http-kv8")
 
@@ -207,7 +208,7 @@ def _llama_cpp_child() -> None:
                       "tokens": res.extra["tokens"]}))
 
 
-FLOOR_DTYPES = {"engine": None, "engine-torch-attn": None, "cloud-http": None, "cloud-http-kv8": None,
+FLOOR_DTYPES = {"engine": None, "engine-torch-attn": None, "engine-ngram": None, "cloud-http": None, "cloud-http-kv8": None,
                 "cloud-http-int8": None, "engine-kv8": None, "engine-int8": "int8",
                 "engine-fp32": "float32", "engine-bs1": "float32", "engine-int8-fp32": "float32"}
 
@@ -298,11 +299,11 @@ def command(
     torch.set_num_threads(threads)
 
     def engine_for(engine_dtype: str, cpu_attention: str = "numba", weights: str = "dtype",
-                   kv_cache_dtype: str = "auto") -> Any:
+                   kv_cache_dtype: str = "auto", speculative: Any = None) -> Any:
         return LLMEngine(EngineConfig(model_path=path, dtype=engine_dtype, kv_cache_bytes=2 << 30,
                                       max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                       num_threads=threads, cpu_attention=cpu_attention, weights=weights,
-                                      kv_cache_dtype=kv_cache_dtype))
+                                      kv_cache_dtype=kv_cache_dtype, speculative=speculative))
 
     def kv_tokens(name: str) -> str:
         runner = engines[name].runner
@@ -339,6 +340,15 @@ def command(
             res = run_engine(engines.setdefault("kv8", engine_for(dtype, kv_cache_dtype="int8")), work, max_num_seqs)
             res.detail = (f"continuous batching, {resolved('kv8')}, int8 KV cache ({kv_tokens('kv8')} tokens in 2 GiB "
                           f"against {kv_tokens(dtype)} with {resolved(dtype)} rows)")
+        elif system == "engine-ngram":  # n-gram speculation, left to the adaptive policy (cloud.engine.spec)
+            from apiary.cloud.engine import SpeculativeConfig
+
+            eng = engines.setdefault("ngram", engine_for(dtype, speculative=SpeculativeConfig(method="ngram")))
+            res = run_engine(eng, work, max_num_seqs)
+            m = eng.metrics()
+            res.detail = (f"continuous batching, {resolved(dtype)}, n-gram speculation (acceptance "
+                          f"{m['spec_ngram_acceptance_rate'] or 0:.2f}, {m['spec_ngram_tokens_per_verification'] or 0:.2f} "
+                          f"tokens per verification)")
         elif system == "engine-bs1":
             # Batch size 1 in float32: bf16 gains nothing at batch 1 on this CPU (measured), so the
             # sequential baseline gets its fastest precision.

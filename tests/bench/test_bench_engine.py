@@ -46,9 +46,9 @@ def test_a_tiny_run_with_background_reports_contention_cpu_use_and_features(tmp_
     monkeypatch.chdir(tmp_path)
     app = typer.Typer()
     app.command()(bench_engine.command)
-    result = CliRunner().invoke(app, ["--model", str(model), "--systems", "engine,engine-kv8", "--requests", "3",
-                                      "--prompt-tokens", "8-16", "--output-tokens", "4-8", "--threads", "1",
-                                      "--background", "1", "--dtype", "float32"])
+    result = CliRunner().invoke(app, ["--model", str(model), "--systems", "engine,engine-kv8,engine-ngram",
+                                      "--requests", "3", "--prompt-tokens", "8-16", "--output-tokens", "4-8",
+                                      "--threads", "1", "--background", "1", "--dtype", "float32"])
     assert result.exit_code == 0, result.output
     assert "1 busy processes beside it" in result.output
     record = json.loads((tmp_path / "results" / "bench" / "engine.json").read_text())
@@ -63,6 +63,9 @@ def test_a_tiny_run_with_background_reports_contention_cpu_use_and_features(tmp_
     held = re.search(r"int8 KV cache \(([\d,]+) tokens in 2 GiB against ([\d,]+) with float32 rows\)",
                      record["systems"]["engine-kv8"])
     assert held and int(held[1].replace(",", "")) > 2 * int(held[2].replace(",", "")), record["systems"]
+    ngram = dict(zip(record["columns"], record["rows"][2]))  # n-gram speculation: the same tokens, counted alike
+    assert ngram["system"] == "engine-ngram" and ngram["output tok"] == record["rows"][0][1]
+    assert "n-gram speculation (acceptance" in record["systems"]["engine-ngram"]
     floor = record["matmul_floor"]["engine"]  # bench.floor: its projection FLOPs at this CPU's float32 rate
     assert record["columns"][-2:] == ["matmul floor s", "% of floor"]
     assert floor["dtype"] == "float32" and floor["gflops"] > 0 and floor["seconds"] > 0
