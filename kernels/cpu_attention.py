@@ -90,6 +90,15 @@ def _splat(builder, x):  # type: ignore[no-untyped-def]
     return builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined), ir.Constant(ir.VectorType(i32, LANES), [0] * LANES))
 
 
+def _open_loop(builder, name, count):  # type: ignore[no-untyped-def]
+    """Blocks for a counted loop that runs if ``count > 0``: returns (entry, loop, done), positioned in ``loop``."""
+    entry = builder.block
+    loop, done = builder.append_basic_block(f"{name}.loop"), builder.append_basic_block(f"{name}.done")
+    builder.cbranch(builder.icmp_signed(">", count, ir.Constant(ir.IntType(64), 0)), loop, done)
+    builder.position_at_end(loop)
+    return entry, loop, done
+
+
 def _close_loop(builder, counter, step, count, accs, totals, entry, loop, done):  # type: ignore[no-untyped-def]
     """Wire a counted loop's phis (``counter`` by ``step`` up to ``count``; each ``accs[i]`` from zero to
     ``totals[i]``), branch back or out, and return the totals as seen after the loop (zero if it never ran)."""
@@ -128,10 +137,7 @@ def _lane_dots(typingctx, out, out_at, q, q_at, q_stride, key, key_at, key_strid
         vec = ir.VectorType(f32, LANES)
         queries = builder.gep(_data(context, builder, sig.args[2], q_arr), [q_at])
         keys = builder.gep(_data(context, builder, sig.args[5], key_arr), [key_at])
-        entry = builder.block
-        loop, done = builder.append_basic_block("lane_dots.loop"), builder.append_basic_block("lane_dots.done")
-        builder.cbranch(builder.icmp_signed(">", count, ir.Constant(i64, 0)), loop, done)
-        builder.position_at_end(loop)
+        entry, loop, done = _open_loop(builder, "lane_dots", count)
         # DOT_CHAINS independent sums (d mod DOT_CHAINS), so the FMAs do not wait on one another's latency.
         d, accs = builder.phi(i64), [builder.phi(vec) for _ in range(DOT_CHAINS)]
         totals = []
@@ -169,10 +175,7 @@ def _lane_sums(typingctx, out, out_at, p, p_at, p_stride, v, v_at, v_stride, n):
         vec = ir.VectorType(f32, LANES)
         probs = builder.gep(_data(context, builder, sig.args[2], p_arr), [p_at])
         values = builder.gep(_data(context, builder, sig.args[5], v_arr), [v_at])
-        entry = builder.block
-        loop, done = builder.append_basic_block("lane_sums.loop"), builder.append_basic_block("lane_sums.done")
-        builder.cbranch(builder.icmp_signed(">", count, ir.Constant(i64, 0)), loop, done)
-        builder.position_at_end(loop)
+        entry, loop, done = _open_loop(builder, "lane_sums", count)
         t = builder.phi(i64)
         accs = [builder.phi(vec) for _ in range(LANES)]
         p = builder.load(builder.bitcast(builder.gep(probs, [builder.mul(t, p_stride)]), vec.as_pointer()), align=4)
@@ -299,8 +302,9 @@ def _decode_kernel(fixed_head_dim: int):  # type: ignore[no-untyped-def]
 SHORT_QUERIES = 16
 
 
-@functools.cache
-def _varlen_kernel(fixed_head_dim: int):  # type: ignore[no-untyped-def]
+@njit(parallel=True, fastmath=True, cache=True, boundscheck=False, nogil=True)
+def _varlen(q, k_cache, v_cache, k_scale, v_scale, quantized, block_tables, cu_seqlens, context_lens, seqs,
+            scale, window, out):  # type: ignore[no-untyped-def]
     """Attention for a short run of queries per sequence (a verification: the last token and its drafts), each
     causal over the cache: every K/V row is read and widened once for all of a sequence's queries.
 
@@ -311,91 +315,88 @@ def _varlen_kernel(fixed_head_dim: int):  # type: ignore[no-untyped-def]
     rows that share a KV head (queries x heads per KV head, padded to ``LANES``) are one vector: each
     widened key element multiplies a column of transposed queries, so no sum crosses lanes, and the
     softmax runs across those rows too.
+
+    q ``[T, Hq, D]`` fp32; sequence ``b`` in ``seqs`` owns query rows ``cu_seqlens[b]:cu_seqlens[b+1]``, the last
+    of its ``context_lens[b]`` positions; out ``[T, Hq, D]`` fp32 (only those rows written). One kernel for every
+    head dim: its inner loops are the IR above, and a copy specialised to 64 measured no faster (and, loaded
+    from numba's cache, 1.8x slower: numba/numba#10617's parallel cached-code anomaly).
     """
-
-    @njit(parallel=True, fastmath=True, cache=True, boundscheck=False, nogil=True)
-    def varlen(q, k_cache, v_cache, k_scale, v_scale, quantized, block_tables, cu_seqlens, context_lens, seqs,
-               scale, window, out):  # type: ignore[no-untyped-def]
-        """q ``[T, Hq, D]`` fp32; sequence ``b`` in ``seqs`` owns query rows ``cu_seqlens[b]:cu_seqlens[b+1]``,
-        the last of its ``context_lens[b]`` positions; out ``[T, Hq, D]`` fp32 (only those rows written)."""
-        num_heads = q.shape[1]
-        head_dim = fixed_head_dim if fixed_head_dim else q.shape[2]
-        block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-        group = num_heads // num_kv_heads
-        num_items = seqs.shape[0]
-        for item in prange(num_items):
-            b = seqs[item // 2 if item % 2 == 0 else num_items - 1 - item // 2]
-            row0, num_q = cu_seqlens[b], cu_seqlens[b + 1] - cu_seqlens[b]
-            end = context_lens[b]
-            first = end - num_q  # position of the first query
-            start = max(0, first + 1 - window) if window > 0 else 0
-            n = end - start
-            rows = num_q * group  # per KV head, row j = c * LANES + lane: query j // group, head h * group + j % group
-            chunks = (rows + LANES - 1) // LANES
-            # Arrays are indexed by loop variables only: a derived index (c * LANES + lane) gets numba's negative-
-            # index wraparound, which LLVM cannot prove away, and the loads become gathers.
-            q_t = np.zeros((num_kv_heads, head_dim, chunks, LANES), np.float32)
+    num_heads = q.shape[1]
+    head_dim = q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    num_items = seqs.shape[0]
+    for item in prange(num_items):
+        b = seqs[item // 2 if item % 2 == 0 else num_items - 1 - item // 2]
+        row0, num_q = cu_seqlens[b], cu_seqlens[b + 1] - cu_seqlens[b]
+        end = context_lens[b]
+        first = end - num_q  # position of the first query
+        start = max(0, first + 1 - window) if window > 0 else 0
+        n = end - start
+        rows = num_q * group  # per KV head, row j = c * LANES + lane: query j // group, head h * group + j % group
+        chunks = (rows + LANES - 1) // LANES
+        # The hot loops index arrays by loop variables only: a derived index (c * LANES + lane) gets numba's
+        # negative-index wraparound, which LLVM cannot prove away, and the loads become gathers.
+        q_t = np.zeros((num_kv_heads, head_dim, chunks, LANES), np.float32)
+        for h in range(num_kv_heads):
+            for j in range(rows):
+                for d in range(head_dim):
+                    q_t[h, d, j // LANES, j % LANES] = q[row0 + j // group, h * group + j % group, d] * scale
+        scores = np.empty((num_kv_heads, n, chunks, LANES), np.float32)
+        # The sequence's K/V rows widened to float32 (V scaled, for int8 caches).
+        keys = np.empty((n, num_kv_heads, head_dim), np.float32)
+        values = np.empty((n, num_kv_heads, head_dim), np.float32)
+        for t in range(n):
+            pos = start + t
+            block, offset = block_tables[b, pos // block_size], pos % block_size
             for h in range(num_kv_heads):
-                for j in range(rows):
-                    for d in range(head_dim):
-                        q_t[h, d, j // LANES, j % LANES] = q[row0 + j // group, h * group + j % group, d] * scale
-            scores = np.empty((num_kv_heads, n, chunks, LANES), np.float32)
-            # The sequence's K/V rows widened to float32 (V scaled, for int8 caches).
-            keys = np.empty((n, num_kv_heads, head_dim), np.float32)
-            values = np.empty((n, num_kv_heads, head_dim), np.float32)
-            for t in range(n):
-                pos = start + t
-                block, offset = block_tables[b, pos // block_size], pos % block_size
-                for h in range(num_kv_heads):
-                    key_scale = k_scale[block, offset, h] if quantized else np.float32(1.0)
-                    for d in range(head_dim):
-                        keys[t, h, d] = _as_f32(k_cache[block, offset, h, d])
-                    for c in range(chunks):
-                        # flat offsets, not views: a view costs numba two atomic reference-count updates
-                        _lane_dots(scores, ((h * n + t) * chunks + c) * LANES, q_t, (h * head_dim * chunks + c) * LANES,
-                                   chunks * LANES, keys, (t * num_kv_heads + h) * head_dim, 1, head_dim, key_scale)
-                    value_scale = v_scale[block, offset, h] if quantized else np.float32(1.0)
-                    for d in range(head_dim):  # widened once, for the weighted sums below
-                        values[t, h, d] = _as_f32(v_cache[block, offset, h, d]) * value_scale
-            # Causal (and window) mask: query i sees positions first + i - window + 1 .. first + i.
-            masked = np.float32(-3.0e38)
-            for t in range(n):
-                pos = start + t
-                lo_q = max(0, pos - first)
-                hi_q = num_q if window <= 0 else min(num_q, pos + window - first)
-                if lo_q > 0 or hi_q < num_q:
-                    for h in range(num_kv_heads):
-                        for j in range(rows):
-                            if j // group < lo_q or j // group >= hi_q:
-                                scores[h, t, j // LANES, j % LANES] = masked
-            top = np.full((num_kv_heads, chunks, LANES), masked, np.float32)
-            total = np.zeros((num_kv_heads, chunks, LANES), np.float32)
-            for h in range(num_kv_heads):
-                for t in range(n):
-                    for c in range(chunks):
-                        for lane in range(LANES):
-                            top[h, c, lane] = max(top[h, c, lane], scores[h, t, c, lane])
-                for t in range(n):
-                    for c in range(chunks):
-                        for lane in range(LANES):
-                            # a masked score's weight is exp(-87) ~ 1e-38 against at least 1: nothing in float32
-                            e = _exp(scores[h, t, c, lane] - top[h, c, lane])
-                            scores[h, t, c, lane] = e
-                            total[h, c, lane] += e
-            # The weighted sum the same way: per KV head, chunk and element d, the 16 rows' sums over tokens.
-            acc = np.empty((num_kv_heads, chunks, head_dim, LANES), np.float32)
-            for h in range(num_kv_heads):
+                key_scale = k_scale[block, offset, h] if quantized else np.float32(1.0)
+                for d in range(head_dim):
+                    keys[t, h, d] = _as_f32(k_cache[block, offset, h, d])
                 for c in range(chunks):
-                    for d in range(0, head_dim, LANES):
-                        _lane_sums(acc, ((h * chunks + c) * head_dim + d) * LANES, scores, (h * n * chunks + c) * LANES,
-                                   chunks * LANES, values, h * head_dim + d, num_kv_heads * head_dim, n)
-            for h in range(num_kv_heads):
-                for j in range(rows):
-                    inv = np.float32(1.0) / total[h, j // LANES, j % LANES]
-                    for d in range(head_dim):
-                        out[row0 + j // group, h * group + j % group, d] = acc[h, j // LANES, d, j % LANES] * inv
-
-    return varlen
+                    # flat offsets, not views: a view costs numba two atomic reference-count updates
+                    _lane_dots(scores, ((h * n + t) * chunks + c) * LANES, q_t, (h * head_dim * chunks + c) * LANES,
+                               chunks * LANES, keys, (t * num_kv_heads + h) * head_dim, 1, head_dim, key_scale)
+                value_scale = v_scale[block, offset, h] if quantized else np.float32(1.0)
+                for d in range(head_dim):  # widened once, for the weighted sums below
+                    values[t, h, d] = _as_f32(v_cache[block, offset, h, d]) * value_scale
+        # Causal (and window) mask: query i sees positions first + i - window + 1 .. first + i.
+        masked = np.float32(-3.0e38)
+        for t in range(n):
+            pos = start + t
+            lo_q = max(0, pos - first)
+            hi_q = num_q if window <= 0 else min(num_q, pos + window - first)
+            if lo_q > 0 or hi_q < num_q:
+                for h in range(num_kv_heads):
+                    for j in range(rows):
+                        if j // group < lo_q or j // group >= hi_q:
+                            scores[h, t, j // LANES, j % LANES] = masked
+        top = np.full((num_kv_heads, chunks, LANES), masked, np.float32)
+        total = np.zeros((num_kv_heads, chunks, LANES), np.float32)
+        for h in range(num_kv_heads):
+            for t in range(n):
+                for c in range(chunks):
+                    for lane in range(LANES):
+                        top[h, c, lane] = max(top[h, c, lane], scores[h, t, c, lane])
+            for t in range(n):
+                for c in range(chunks):
+                    for lane in range(LANES):
+                        # a masked score's weight is exp(-87) ~ 1e-38 against at least 1: nothing in float32
+                        e = _exp(scores[h, t, c, lane] - top[h, c, lane])
+                        scores[h, t, c, lane] = e
+                        total[h, c, lane] += e
+        # The weighted sum the same way: per KV head, chunk and element d, the 16 rows' sums over tokens.
+        acc = np.empty((num_kv_heads, chunks, head_dim, LANES), np.float32)
+        for h in range(num_kv_heads):
+            for c in range(chunks):
+                for d in range(0, head_dim, LANES):
+                    _lane_sums(acc, ((h * chunks + c) * head_dim + d) * LANES, scores, (h * n * chunks + c) * LANES,
+                               chunks * LANES, values, h * head_dim + d, num_kv_heads * head_dim, n)
+        for h in range(num_kv_heads):
+            for j in range(rows):
+                inv = np.float32(1.0) / total[h, j // LANES, j % LANES]
+                for d in range(head_dim):
+                    out[row0 + j // group, h * group + j % group, d] = acc[h, j // LANES, d, j % LANES] * inv
 
 
 def supports(k_cache: torch.Tensor) -> bool:
@@ -451,8 +452,7 @@ def paged_short_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
         quantized = k_cache.dtype == torch.int8
         scales = (k_scale.numpy(), v_scale.numpy()) if quantized else (_NO_SCALES, _NO_SCALES)
-        kernel = _varlen_kernel(q.shape[2] if q.shape[2] in SPECIALISED_HEAD_DIMS else 0)
-        kernel(q.float().contiguous().numpy(), _cache_array(k_cache), _cache_array(v_cache), *scales, quantized,
+        _varlen(q.float().contiguous().numpy(), _cache_array(k_cache), _cache_array(v_cache), *scales, quantized,
                block_tables.to(torch.int32).contiguous().numpy(), cu_seqlens_q.to(torch.int32).contiguous().numpy(),
                context_lens.to(torch.int32).contiguous().numpy(), seqs.to(torch.int32).contiguous().numpy(),
                np.float32(scale), int(sliding_window or 0), out)
