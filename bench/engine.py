@@ -14,7 +14,8 @@ With ``--background N``, N busy processes (``while :; do :; done``) run beside e
 run, started before it and stopped after it, alike for all: a shared CPU, as in the demo or on a
 server with its REST layer, broker and database. The table shows each system's CPU use (its
 process's CPU seconds per wall second) beside its throughput.
-``llama-server`` and ``cloud-http`` are servers through HTTP (``apiary.bench.http_serving``): each round
+``llama-server`` and ``cloud-http`` are servers through HTTP (``apiary.bench.http_serving``; ``-ngram``: both with
+n-gram speculation, ours under its adaptive policy, llama.cpp's ``ngram-simple`` at our lookup and draft lengths): each round
 starts the server fresh, probes its warm-up (first vs tenth TTFT), then streams the same requests
 from ``--clients`` concurrent clients; their CPU % and peak RSS are the server process's.
 """
@@ -41,8 +42,9 @@ WORDS = ("hive colony brood queen worker drone nectar pollen honey comb frame wa
          "12 3.5 2024 why how when colony's bees' calm busy loud quiet").split()
 SYSTEMS = ("engine", "engine-torch-attn", "engine-fp32", "engine-int8", "engine-int8-fp32", "engine-kv8", "engine-ngram",
            "engine-bs1", "hf",
-           "llama-cpp", "llama-server", "cloud-http", "cloud-http-int8", "cloud-http-kv8")
-HTTP_SYSTEMS = ("llama-server", "cloud-http", "cloud-http-int8", "cloud-http-kv8")
+           "llama-cpp", "llama-server", "llama-server-ngram", "cloud-http", "cloud-http-int8", "cloud-http-kv8",
+           "cloud-http-ngram")
+HTTP_SYSTEMS = ("llama-server", "llama-server-ngram", "cloud-http", "cloud-http-int8", "cloud-http-kv8", "cloud-http-ngram")
 
 
 @dataclass(slots=True)
@@ -209,6 +211,7 @@ def _llama_cpp_child() -> None:
 
 
 FLOOR_DTYPES = {"engine": None, "engine-torch-attn": None, "engine-ngram": None, "cloud-http": None, "cloud-http-kv8": None,
+                "cloud-http-ngram": None,
                 "cloud-http-int8": None, "engine-kv8": None, "engine-int8": "int8",
                 "engine-fp32": "float32", "engine-bs1": "float32", "engine-int8-fp32": "float32"}
 

@@ -113,15 +113,15 @@ def _process(cmd: list[str], ready_url: str, env: dict[str, str] | None, timeout
 
 @contextmanager
 def llama_server(model: Path, threads: int, slots: int, ctx_per_slot: int, timeout: float = 300,
-                 alias: str = "bench") -> Iterator[Server]:
+                 alias: str = "bench", options: Sequence[str] = ()) -> Iterator[Server]:
     """llama.cpp's own server: ``slots`` parallel slots of ``ctx_per_slot`` tokens each, continuous batching,
-    serving ``model`` as ``alias``."""
+    serving ``model`` as ``alias``; ``options``: more of its command-line options."""
     if not LLAMA_SERVER.is_file():
         raise RuntimeError(f"llama-server is not built ({LLAMA_SERVER} missing): run bash deploy/build_llama_server.sh")
     port = free_port()
     cmd = [str(LLAMA_SERVER), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
            "-c", str(slots * ctx_per_slot), "-t", str(threads), "-tb", str(threads), "-b", "1024",
-           "--alias", alias]
+           "--alias", alias, *options]
     with _process(cmd, f"http://127.0.0.1:{port}/health", None, timeout) as proc:
         yield Server(f"http://127.0.0.1:{port}/v1", proc.pid, model=alias)
 
@@ -235,7 +235,12 @@ def run_http(server: Server, work: Sequence[Any], concurrency: int) -> HttpRun:
 
 # the cloud-http systems: `apiary cloud serve` as operators start it, and with int8 weights or KV cache
 CLOUD_OPTIONS: dict[str, tuple[str, ...]] = {"cloud-http": (), "cloud-http-int8": ("--weights", "int8"),
-                                             "cloud-http-kv8": ("--kv-cache-dtype", "int8")}
+                                             "cloud-http-kv8": ("--kv-cache-dtype", "int8"),
+                                             "cloud-http-ngram": ("--speculative", "ngram")}
+# llama.cpp's prompt-lookup speculation, set to our n-gram proposer's lengths (SpeculativeConfig: suffixes of
+# up to 4 tokens, up to 8 drafts); its defaults (12 and 48) are tuned for long repeated passages.
+LLAMA_OPTIONS: dict[str, tuple[str, ...]] = {"llama-server": (), "llama-server-ngram": (
+    "--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "4", "--spec-ngram-simple-size-m", "8")}
 
 
 def run_server_system(system: str, model: Path, work: Sequence[Any], *, threads: int, clients: int, dtype: str,
@@ -246,10 +251,12 @@ def run_server_system(system: str, model: Path, work: Sequence[Any], *, threads:
     from apiary.bench.engine import Result
 
     env = {k: v for k, v in os.environ.items() if k not in drop_env}
-    if system == "llama-server":
+    if system in LLAMA_OPTIONS:
         ctx = max(len(r.prompt) + r.max_tokens for r in work) + 16
-        server = llama_server(model, threads, clients, ctx)
-        detail = f"llama.cpp's llama-server, {clients} slots, {threads} threads, over HTTP, {clients} clients"
+        options = LLAMA_OPTIONS[system]
+        server = llama_server(model, threads, clients, ctx, options=options)
+        detail = (f"llama.cpp's llama-server{''.join(f' {o}' for o in options)}, {clients} slots, {threads} threads, "
+                  f"over HTTP, {clients} clients")
     elif system in CLOUD_OPTIONS:
         options = CLOUD_OPTIONS[system]
         server = cloud_server(model, dtype, max_num_seqs, budget, env, options=options)

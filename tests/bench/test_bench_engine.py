@@ -90,13 +90,15 @@ def test_int8_systems_are_skipped_with_the_reason_where_the_cpu_has_no_fast_int8
 @pytest.mark.timeout(900)
 def test_http_systems_serve_the_same_requests_and_report_ratio_rss_and_warm_up(tmp_path: Path, gguf_path: Path,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """``--systems cloud-http,llama-server``: each server started as its own process, the same streamed requests
-    (every one exactly max_tokens long), the ratio between them, the servers' peak RSS and their warm-up probes.
-    Without a built llama-server, cloud-http alone (the ratio column then says "-"). The engine alone beside
-    them at more requests in flight than the clients: the run says so and records each system's concurrency."""
+    """``--systems cloud-http,llama-server`` (and their ``-ngram`` twins): each server started as its own process,
+    the same streamed requests (every one exactly max_tokens long), the ratio between them, the servers' peak
+    RSS and their warm-up probes. Without a built llama-server, ours alone (the ratio column then says "-"). The
+    engine alone beside them at more requests in flight than the clients: the run says so and records each
+    system's concurrency."""
     from apiary.bench.http_serving import LLAMA_SERVER, WARMUP_PROBES
 
-    systems = ["cloud-http", "engine"] + (["llama-server"] if LLAMA_SERVER.is_file() else [])
+    systems = ["cloud-http", "cloud-http-ngram", "engine"] + (["llama-server", "llama-server-ngram"]
+                                                             if LLAMA_SERVER.is_file() else [])
     monkeypatch.chdir(tmp_path)
     app = typer.Typer()
     app.command()(bench_engine.command)
@@ -115,7 +117,10 @@ def test_http_systems_serve_the_same_requests_and_report_ratio_rss_and_warm_up(t
         (probes,) = record["http"][system]["warmup_ttfts_per_round"]
         assert len(probes) == WARMUP_PROBES and all(t > 0 for t in probes)
         assert f"{system} warm-up: first request's TTFT" in result.output
+    # both servers once more with n-gram speculation, llama.cpp's at our proposer's lookup and draft lengths
+    assert "--speculative ngram" in record["systems"]["cloud-http-ngram"]
     if "llama-server" in rows:
+        assert "--spec-type ngram-simple --spec-ngram-simple-size-n 4" in record["systems"]["llama-server-ngram"]
         expected = rows["cloud-http"]["output tok/s"] / rows["llama-server"]["output tok/s"]
         assert rows["cloud-http"]["x llama-server"] == pytest.approx(expected, rel=0.02)
     else:
