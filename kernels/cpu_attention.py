@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from apiary.kernels.errors import KernelError
@@ -213,6 +214,37 @@ def _exp(x):  # type: ignore[no-untyped-def]
     return (p * r * r + r + np.float32(1.0)) * _i32_bits_as_f32((np.int32(n) + np.int32(127)) << np.int32(23))
 
 
+AHEAD = 2  # blocks a sequence's K/V rows are asked for ahead of use
+
+
+@intrinsic
+def _prefetch(typingctx, array, at, count):  # type: ignore[no-untyped-def]
+    """Ask for the cache lines of ``array.flat[at : at + count]`` ahead of use (``llvm.prefetch``).
+
+    Why: a sequence's blocks lie anywhere in the pool, so the hardware prefetcher, which follows
+    addresses, cannot run ahead into the next block. Over a 30-layer pool (16 sequences of 360 tokens,
+    SmolLM2's heads, bf16) decode attention took 12-14 ms from memory against 7 ms with one layer's rows in
+    cache; asking for each sequence's K and V rows ``AHEAD`` blocks early (into L2) took 11.1-11.5 ms.
+    Two blocks ahead measured best of 1, 2, 4 and 6."""
+    signature = types.void(array, types.intp, types.intp)
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        arr, at, count = args
+        i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+        itemsize = sig.args[0].dtype.bitwidth // 8
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]),
+                                            "llvm.prefetch.p0")
+        base = builder.bitcast(builder.gep(_data(context, builder, sig.args[0], arr), [at]), i8.as_pointer())
+        nbytes = builder.mul(count, ir.Constant(i64, itemsize))
+        entry, loop, done = _open_loop(builder, "prefetch", nbytes)
+        offset = builder.phi(i64)
+        builder.call(fn, [builder.gep(base, [offset]), ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])
+        _close_loop(builder, offset, 64, nbytes, [], [], entry, loop, done)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
 # Head dims with a kernel of their own, compiled with the head dim as a constant: its loops then unroll
 # and vectorise whole (no remainder loops, the query row in registers): 1.3-1.4x faster at 64 than the
 # same kernel reading the head dim from the query's shape. SmolLM2 has 64; Llama, Mistral and Qwen2 128.
@@ -241,6 +273,7 @@ def _decode_kernel(fixed_head_dim: int):  # type: ignore[no-untyped-def]
         head_dim = fixed_head_dim if fixed_head_dim else q.shape[2]
         block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
         group = num_heads // num_kv_heads
+        stride = num_kv_heads * head_dim
         for item in prange(num_seqs):
             # Items alternate from both ends: callers order sequences by length, and prange hands each
             # thread one contiguous chunk, so this pairs short sequences with long ones.
@@ -258,9 +291,16 @@ def _decode_kernel(fixed_head_dim: int):  # type: ignore[no-untyped-def]
                 for d in range(head_dim):
                     scaled_q[hq, d] = q[b, hq, d] * scale
             scores = np.empty((num_heads, n), np.float32)
+            for j in range(start // block_size, min(start // block_size + AHEAD, (end - 1) // block_size + 1)):
+                _prefetch(k_cache, block_tables[b, j] * block_size * stride, block_size * stride)
+                _prefetch(v_cache, block_tables[b, j] * block_size * stride, block_size * stride)
             for t in range(n):
                 pos = start + t
                 block, offset = block_tables[b, pos // block_size], pos % block_size
+                if (offset == 0 or t == 0) and pos // block_size + AHEAD <= (end - 1) // block_size:
+                    ahead = block_tables[b, pos // block_size + AHEAD] * block_size * stride
+                    _prefetch(k_cache, ahead, block_size * stride)
+                    _prefetch(v_cache, ahead, block_size * stride)
                 for h in range(num_kv_heads):
                     key_scale = k_scale[block, offset, h] if quantized else np.float32(1.0)
                     for hq in range(h * group, (h + 1) * group):
@@ -346,9 +386,17 @@ def _varlen(q, k_cache, v_cache, k_scale, v_scale, quantized, block_tables, cu_s
         # The sequence's K/V rows widened to float32 (V scaled, for int8 caches).
         keys = np.empty((n, num_kv_heads, head_dim), np.float32)
         values = np.empty((n, num_kv_heads, head_dim), np.float32)
+        stride = num_kv_heads * head_dim
+        for j in range(start // block_size, min(start // block_size + AHEAD, (end - 1) // block_size + 1)):
+            _prefetch(k_cache, block_tables[b, j] * block_size * stride, block_size * stride)
+            _prefetch(v_cache, block_tables[b, j] * block_size * stride, block_size * stride)
         for t in range(n):
             pos = start + t
             block, offset = block_tables[b, pos // block_size], pos % block_size
+            if (offset == 0 or t == 0) and pos // block_size + AHEAD <= (end - 1) // block_size:
+                ahead = block_tables[b, pos // block_size + AHEAD] * block_size * stride
+                _prefetch(k_cache, ahead, block_size * stride)
+                _prefetch(v_cache, ahead, block_size * stride)
             for h in range(num_kv_heads):
                 key_scale = k_scale[block, offset, h] if quantized else np.float32(1.0)
                 for d in range(head_dim):
