@@ -214,18 +214,20 @@ def _exp(x):  # type: ignore[no-untyped-def]
     return (p * r * r + r + np.float32(1.0)) * _i32_bits_as_f32((np.int32(n) + np.int32(127)) << np.int32(23))
 
 
-AHEAD = 2  # blocks a sequence's K/V rows are asked for ahead of use
+PREFETCH_TOKENS = 24  # how far ahead of use a sequence's K/V rows are asked for
 
 
 @intrinsic
 def _prefetch(typingctx, array, at, count):  # type: ignore[no-untyped-def]
-    """Ask for the cache lines of ``array.flat[at : at + count]`` ahead of use (``llvm.prefetch``).
+    """Ask for the cache lines of ``array.flat[at : at + count]`` ahead of use (``llvm.prefetch``, into L2).
 
     Why: a sequence's blocks lie anywhere in the pool, so the hardware prefetcher, which follows
     addresses, cannot run ahead into the next block. Over a 30-layer pool (16 sequences of 360 tokens,
-    SmolLM2's heads, bf16) decode attention took 12-14 ms from memory against 7 ms with one layer's rows in
-    cache; asking for each sequence's K and V rows ``AHEAD`` blocks early (into L2) took 11.1-11.5 ms.
-    Two blocks ahead measured best of 1, 2, 4 and 6."""
+    SmolLM2's heads, bf16) decode attention took 12-14 ms from memory against 7 ms with one layer's rows
+    in cache. Asking for whole blocks two ahead took 11.0-11.6 ms (a block's K and V rows are 192 lines,
+    more than a core keeps in flight); asking for each token's row ``PREFETCH_TOKENS`` tokens ahead
+    took 7.6-9.0 ms (1,000 tokens: 30 -> 20 ms). 16, 32 and 48 tokens ahead and L1 or L3 as the target
+    measured no better."""
     signature = types.void(array, types.intp, types.intp)
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
@@ -243,6 +245,16 @@ def _prefetch(typingctx, array, at, count):  # type: ignore[no-untyped-def]
         return context.get_dummy_value()
 
     return signature, codegen
+
+
+@njit(fastmath=True, cache=True, boundscheck=False, inline="always")
+def _prefetch_row(cache, scales, quantized, block_tables, b, pos):  # type: ignore[no-untyped-def]
+    """Ask for sequence ``b``'s row at position ``pos`` (every KV head's, and its int8 scales)."""
+    block_size, num_kv_heads = cache.shape[1], cache.shape[2]
+    row = block_tables[b, pos // block_size] * block_size + pos % block_size
+    _prefetch(cache, row * num_kv_heads * cache.shape[3], num_kv_heads * cache.shape[3])
+    if quantized:
+        _prefetch(scales, row * num_kv_heads, num_kv_heads)
 
 
 # Head dims with a kernel of their own, compiled with the head dim as a constant: its loops then unroll
@@ -273,7 +285,6 @@ def _decode_kernel(fixed_head_dim: int):  # type: ignore[no-untyped-def]
         head_dim = fixed_head_dim if fixed_head_dim else q.shape[2]
         block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
         group = num_heads // num_kv_heads
-        stride = num_kv_heads * head_dim
         for item in prange(num_seqs):
             # Items alternate from both ends: callers order sequences by length, and prange hands each
             # thread one contiguous chunk, so this pairs short sequences with long ones.
@@ -291,16 +302,13 @@ def _decode_kernel(fixed_head_dim: int):  # type: ignore[no-untyped-def]
                 for d in range(head_dim):
                     scaled_q[hq, d] = q[b, hq, d] * scale
             scores = np.empty((num_heads, n), np.float32)
-            for j in range(start // block_size, min(start // block_size + AHEAD, (end - 1) // block_size + 1)):
-                _prefetch(k_cache, block_tables[b, j] * block_size * stride, block_size * stride)
-                _prefetch(v_cache, block_tables[b, j] * block_size * stride, block_size * stride)
+            for t in range(min(n, PREFETCH_TOKENS)):
+                _prefetch_row(k_cache, k_scale, quantized, block_tables, b, start + t)
             for t in range(n):
                 pos = start + t
                 block, offset = block_tables[b, pos // block_size], pos % block_size
-                if (offset == 0 or t == 0) and pos // block_size + AHEAD <= (end - 1) // block_size:
-                    ahead = block_tables[b, pos // block_size + AHEAD] * block_size * stride
-                    _prefetch(k_cache, ahead, block_size * stride)
-                    _prefetch(v_cache, ahead, block_size * stride)
+                if t + PREFETCH_TOKENS < n:
+                    _prefetch_row(k_cache, k_scale, quantized, block_tables, b, pos + PREFETCH_TOKENS)
                 for h in range(num_kv_heads):
                     key_scale = k_scale[block, offset, h] if quantized else np.float32(1.0)
                     for hq in range(h * group, (h + 1) * group):
@@ -321,9 +329,13 @@ def _decode_kernel(fixed_head_dim: int):  # type: ignore[no-untyped-def]
                 for t in range(n):
                     scores[hq, t] *= inv
             acc = np.zeros((num_heads, head_dim), np.float32)
+            for t in range(min(n, PREFETCH_TOKENS)):
+                _prefetch_row(v_cache, v_scale, quantized, block_tables, b, start + t)
             for t in range(n):
                 pos = start + t
                 block, offset = block_tables[b, pos // block_size], pos % block_size
+                if t + PREFETCH_TOKENS < n:
+                    _prefetch_row(v_cache, v_scale, quantized, block_tables, b, pos + PREFETCH_TOKENS)
                 for h in range(num_kv_heads):
                     value_scale = v_scale[block, offset, h] if quantized else np.float32(1.0)
                     for hq in range(h * group, (h + 1) * group):
@@ -386,17 +398,15 @@ def _varlen(q, k_cache, v_cache, k_scale, v_scale, quantized, block_tables, cu_s
         # The sequence's K/V rows widened to float32 (V scaled, for int8 caches).
         keys = np.empty((n, num_kv_heads, head_dim), np.float32)
         values = np.empty((n, num_kv_heads, head_dim), np.float32)
-        stride = num_kv_heads * head_dim
-        for j in range(start // block_size, min(start // block_size + AHEAD, (end - 1) // block_size + 1)):
-            _prefetch(k_cache, block_tables[b, j] * block_size * stride, block_size * stride)
-            _prefetch(v_cache, block_tables[b, j] * block_size * stride, block_size * stride)
+        for t in range(min(n, PREFETCH_TOKENS)):
+            _prefetch_row(k_cache, k_scale, quantized, block_tables, b, start + t)
+            _prefetch_row(v_cache, v_scale, quantized, block_tables, b, start + t)
         for t in range(n):
             pos = start + t
             block, offset = block_tables[b, pos // block_size], pos % block_size
-            if (offset == 0 or t == 0) and pos // block_size + AHEAD <= (end - 1) // block_size:
-                ahead = block_tables[b, pos // block_size + AHEAD] * block_size * stride
-                _prefetch(k_cache, ahead, block_size * stride)
-                _prefetch(v_cache, ahead, block_size * stride)
+            if t + PREFETCH_TOKENS < n:
+                _prefetch_row(k_cache, k_scale, quantized, block_tables, b, pos + PREFETCH_TOKENS)
+                _prefetch_row(v_cache, v_scale, quantized, block_tables, b, pos + PREFETCH_TOKENS)
             for h in range(num_kv_heads):
                 key_scale = k_scale[block, offset, h] if quantized else np.float32(1.0)
                 for d in range(head_dim):
