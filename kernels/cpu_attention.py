@@ -1,4 +1,4 @@
-"""Paged decode attention for CPUs, compiled with numba: reads each cached K/V row once.
+"""Paged attention for CPUs in numba (decode, verifications, prompt chunks): each cached K/V row read once.
 
 Why: the torch reference (``apiary.kernels.reference``) gathers every sequence's K/V into a padded
 copy and then runs two batched matmuls over it: the whole cache is read, written, and read
@@ -234,8 +234,8 @@ def _prefetch(typingctx, array, at, count):  # type: ignore[no-untyped-def]
         arr, at, count = args
         i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
         itemsize = sig.args[0].dtype.bitwidth // 8
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]),
-                                            "llvm.prefetch.p0")
+        signature_ir = ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, signature_ir, "llvm.prefetch.p0")
         base = builder.bitcast(builder.gep(_data(context, builder, sig.args[0], arr), [at]), i8.as_pointer())
         nbytes = builder.mul(count, ir.Constant(i64, itemsize))
         entry, loop, done = _open_loop(builder, "prefetch", nbytes)
@@ -350,7 +350,7 @@ def _decode_kernel(fixed_head_dim: int):  # type: ignore[no-untyped-def]
 
 
 # Query runs up to this long (speculative verifications: the last token and k <= 8 drafts; short prefill
-# chunks) are served by the varlen kernel below; longer chunks are matmul-shaped work for SDPA.
+# chunks) are served by the varlen kernel below, one item per sequence; longer ones by ``_runs``.
 SHORT_QUERIES = 16
 
 
@@ -457,6 +457,111 @@ def _varlen(q, k_cache, v_cache, k_scale, v_scale, quantized, block_tables, cu_s
                     out[row0 + j // group, h * group + j % group, d] = acc[h, j // LANES, d, j % LANES] * inv
 
 
+@njit(parallel=True, fastmath=True, cache=True, boundscheck=False, nogil=True)
+def _runs(q, k_cache, v_cache, k_scale, v_scale, quantized, block_tables, cu_seqlens, context_lens, seqs,
+          scale, window, out):  # type: ignore[no-untyped-def]
+    """Causal attention of query runs of any length over the cache, in work items of 16 rows: a row is one
+    (query, head) pair of a KV head's group, and the 16 rows' scores for a key are one vector (no horizontal
+    sums, as in ``_varlen``).
+
+    Why items of 16 rows: a prompt's rows split over both threads, and each item reads only the keys its
+    last query may see (causal skipping: half the work of a fresh prompt). First every sequence's K/V rows
+    are widened to float32 (int8 rows times their scales), then each item (sequence, KV head, 16 rows)
+    computes its scores, softmax and weighted sums from them.
+
+    q ``[T, Hq, D]`` fp32; sequence ``b`` in ``seqs`` owns query rows ``cu_seqlens[b]:cu_seqlens[b+1]``, the last
+    of its ``context_lens[b]`` positions; out ``[T, Hq, D]`` fp32 (only those rows written).
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    stride = num_kv_heads * head_dim
+    num_seqs = seqs.shape[0]
+    # Per sequence: its first cached position read, its offset in the widened rows, its first work item.
+    firsts = np.empty(num_seqs, np.int64)
+    row_at = np.zeros(num_seqs + 1, np.int64)
+    item_at = np.zeros(num_seqs + 1, np.int64)
+    for s in range(num_seqs):
+        b = seqs[s]
+        num_q = cu_seqlens[b + 1] - cu_seqlens[b]
+        first = context_lens[b] - num_q
+        firsts[s] = max(0, first + 1 - window) if window > 0 else 0
+        row_at[s + 1] = row_at[s] + context_lens[b] - firsts[s]
+        item_at[s + 1] = item_at[s] + num_kv_heads * ((num_q * group + LANES - 1) // LANES)
+    keys = np.empty((row_at[num_seqs], num_kv_heads, head_dim), np.float32)
+    values = np.empty((row_at[num_seqs], num_kv_heads, head_dim), np.float32)
+    for s in prange(num_seqs):
+        b = seqs[s]
+        for pos in range(firsts[s], context_lens[b]):
+            block, offset = block_tables[b, pos // block_size], pos % block_size
+            r = row_at[s] + pos - firsts[s]
+            for h in range(num_kv_heads):
+                key_scale = k_scale[block, offset, h] if quantized else np.float32(1.0)
+                value_scale = v_scale[block, offset, h] if quantized else np.float32(1.0)
+                for d in range(head_dim):
+                    keys[r, h, d] = _as_f32(k_cache[block, offset, h, d]) * key_scale
+                for d in range(head_dim):
+                    values[r, h, d] = _as_f32(v_cache[block, offset, h, d]) * value_scale
+    num_items = item_at[num_seqs]
+    masked = np.float32(-3.0e38)
+    for index in prange(num_items):
+        # Later items of a prompt see more keys: items alternate from both ends to even out the threads' shares.
+        item = index // 2 if index % 2 == 0 else num_items - 1 - index // 2
+        s = 0
+        while item_at[s + 1] <= item:
+            s += 1
+        b = seqs[s]
+        row0, num_q = cu_seqlens[b], cu_seqlens[b + 1] - cu_seqlens[b]
+        first = context_lens[b] - num_q  # position of the run's first query
+        local = item - item_at[s]
+        chunks = (num_q * group + LANES - 1) // LANES
+        h, c = local // chunks, local % chunks
+        lo_row, hi_row = c * LANES, min(num_q * group, (c + 1) * LANES)
+        lo_q, hi_q = lo_row // group, (hi_row - 1) // group  # the item's first and last query
+        start = firsts[s]
+        lo = max(0, first + lo_q + 1 - window) - start if window > 0 else 0  # keys any of its rows may see
+        hi = first + hi_q + 1 - start
+        n = hi - lo
+        q_t = np.zeros((head_dim, LANES), np.float32)
+        for j in range(lo_row, hi_row):
+            for d in range(head_dim):
+                q_t[d, j - lo_row] = q[row0 + j // group, h * group + j % group, d] * scale
+        scores = np.empty((n, LANES), np.float32)
+        base = row_at[s] + lo
+        for t in range(n):
+            _lane_dots(scores, t * LANES, q_t, 0, LANES, keys, ((base + t) * num_kv_heads + h) * head_dim, 1, head_dim,
+                       np.float32(1.0))
+        # Causal (and window) mask, only where the rows disagree: keys after the first query, before the last's window.
+        for t in range(max(0, first + lo_q + 1 - start - lo), n):
+            pos = start + lo + t
+            for j in range(lo_row, hi_row):
+                if pos > first + j // group:
+                    scores[t, j - lo_row] = masked
+        if window > 0:
+            for t in range(0, min(n, first + hi_q + 1 - window - start - lo)):
+                pos = start + lo + t
+                for j in range(lo_row, hi_row):
+                    if pos <= first + j // group - window:
+                        scores[t, j - lo_row] = masked
+        top = np.full(LANES, masked, np.float32)
+        for t in range(n):
+            for lane in range(LANES):
+                top[lane] = max(top[lane], scores[t, lane])
+        total = np.zeros(LANES, np.float32)
+        for t in range(n):
+            for lane in range(LANES):
+                e = _exp(scores[t, lane] - top[lane])
+                scores[t, lane] = e
+                total[lane] += e
+        acc = np.empty((head_dim, LANES), np.float32)  # [d-slice of 16][element][lane], as _lane_sums writes
+        for d in range(0, head_dim, LANES):
+            _lane_sums(acc, d * LANES, scores, 0, LANES, values, (base * num_kv_heads + h) * head_dim + d, stride, n)
+        for j in range(lo_row, hi_row):
+            inv = np.float32(1.0) / total[j - lo_row]
+            for d in range(head_dim):
+                out[row0 + j // group, h * group + j % group, d] = acc[d, j - lo_row] * inv
+
+
 def supports(k_cache: torch.Tensor) -> bool:
     """True if this kernel can serve a cache like ``k_cache`` (a CPU tensor of a supported dtype)."""
     return k_cache.device.type == "cpu" and k_cache.dtype in SUPPORTED_DTYPES
@@ -495,13 +600,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return torch.from_numpy(out).to(q.dtype)
 
 
-def paged_short_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                  block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                                  seqs: torch.Tensor, scale: float, sliding_window: int | None = None,
-                                  k_scale: torch.Tensor | None = None,
-                                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of the query runs of sequences ``seqs`` (each at most ``SHORT_QUERIES`` long) over their
-    cache -> float32 ``[T, Hq, D]`` with those sequences' rows written and every other row zero.
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                            seqs: torch.Tensor, scale: float, sliding_window: int | None = None,
+                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of the query runs of sequences ``seqs`` over their cache -> float32 ``[T, Hq, D]`` with
+    those sequences' rows written and every other row zero. Runs of at most ``SHORT_QUERIES`` (speculative
+    verifications) go to ``_varlen``, one item per sequence; longer ones (prompt chunks) to ``_runs``, items of
+    16 rows that skip the keys their queries cannot see.
 
     Semantics are ``apiary.kernels.ops.paged_prefill_attention``'s; the caller checked the inputs.
     """
@@ -510,10 +616,15 @@ def paged_short_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
         quantized = k_cache.dtype == torch.int8
         scales = (k_scale.numpy(), v_scale.numpy()) if quantized else (_NO_SCALES, _NO_SCALES)
-        _varlen(q.float().contiguous().numpy(), _cache_array(k_cache), _cache_array(v_cache), *scales, quantized,
-               block_tables.to(torch.int32).contiguous().numpy(), cu_seqlens_q.to(torch.int32).contiguous().numpy(),
-               context_lens.to(torch.int32).contiguous().numpy(), seqs.to(torch.int32).contiguous().numpy(),
-               np.float32(scale), int(sliding_window or 0), out)
+        cu = cu_seqlens_q.to(torch.int32).contiguous()
+        lens = cu[1:][seqs.long()] - cu[:-1][seqs.long()]
+        args = (q.float().contiguous().numpy(), _cache_array(k_cache), _cache_array(v_cache), *scales, quantized,
+                block_tables.to(torch.int32).contiguous().numpy(), cu.numpy(),
+                context_lens.to(torch.int32).contiguous().numpy())
+        for kernel, mine in ((_varlen, lens <= SHORT_QUERIES), (_runs, lens > SHORT_QUERIES)):
+            if bool(mine.any()):
+                kernel(*args, seqs[mine].to(torch.int32).contiguous().numpy(), np.float32(scale),
+                       int(sliding_window or 0), out)
     return torch.from_numpy(out)
 
 

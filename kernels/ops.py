@@ -278,9 +278,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
     The new tokens' K/V must already be in the cache. Query i of sequence b sits at position
     ``context_lens[b] - q_len_b + i`` with ``q_len_b = cu_seqlens_q[b+1] - cu_seqlens_q[b]``.
-    int8 caches need their scales. Where ``decode_backend`` picks numba (``backend`` as there), runs of at
-    most ``cpu_attention.SHORT_QUERIES`` queries (speculative verifications, short chunks) go to its varlen
-    kernel, which reads each cached row once for all of a run's queries; longer runs go to the reference.
+    int8 caches need their scales. Where ``decode_backend`` picks numba (``backend`` as there) and the head dim
+    is a multiple of ``cpu_attention.LANES``, the numba kernels serve every run: verifications (at most
+    ``cpu_attention.SHORT_QUERIES`` queries) one item per sequence, prompt chunks in items of 16 query rows
+    that skip the keys their queries cannot see (2.2x SDPA on 128-512-token prompts). Elsewhere the reference
+    (gather + SDPA).
     """
     quantized = _check_cache(k_cache, v_cache, k_scale, v_scale)
     _check_tensor("cu_seqlens_q", cu_seqlens_q, 1, int_=True)
@@ -292,46 +294,36 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         kernel = _triton("paged_attention", device)
         return kernel.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
                                               float(scale), sliding_window)
+    if decode_backend(device, k_cache.dtype, backend) == "numba":
+        out = _prefill_on_numba(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, float(scale),
+                                sliding_window, k_scale, v_scale)
+        if out is not None:
+            return out
     dequantize = None
     if quantized and _numba_serves(q):
         from apiary.kernels import cpu_quant  # imports numba: only once an int8 cache is read
 
         dequantize = cpu_quant.gather_dequantize  # int8 rows into the gather buffer in one pass, same values
-    if decode_backend(device, k_cache.dtype, backend) == "numba":
-        out = _prefill_short_runs_on_numba(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, float(scale),
-                                           sliding_window, k_scale, v_scale, dequantize)
-        if out is not None:
-            return out
     return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
                                              float(scale), sliding_window, k_scale, v_scale, dequantize)
 
 
-def _prefill_short_runs_on_numba(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                 block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                                 scale: float, sliding_window: int | None, k_scale: torch.Tensor | None,
-                                 v_scale: torch.Tensor | None, dequantize: reference.Dequantize | None) -> torch.Tensor | None:
-    """``paged_prefill_attention`` with its short runs from the numba varlen kernel and its long ones from the
-    reference, rows put back in place; None when no run is short or the head dim does not fill the kernel's lanes."""
+def _prefill_on_numba(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                      sliding_window: int | None, k_scale: torch.Tensor | None,
+                      v_scale: torch.Tensor | None) -> torch.Tensor | None:
+    """``paged_prefill_attention`` from the numba kernels; None when the head dim does not fill their lanes."""
     from apiary.kernels import cpu_attention  # imports numba: only once a CPU attention runs
 
+    if q.shape[-1] % cpu_attention.LANES:
+        return None
     cu = cu_seqlens_q.long()
     q_lens = cu[1:] - cu[:-1]
-    short = (q_lens > 0) & (q_lens <= cpu_attention.SHORT_QUERIES)
-    if q.shape[-1] % cpu_attention.LANES or not bool(short.any()):
-        return None
     _check(bool((context_lens.long() >= q_lens).all()),
            lambda: "context_lens must count each sequence's new tokens (context_lens >= query lengths)")
-    out = cpu_attention.paged_short_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                                                      torch.nonzero(short).flatten(), scale, sliding_window,
-                                                      k_scale, v_scale).to(q.dtype)
-    long = q_lens > cpu_attention.SHORT_QUERIES
-    if bool(long.any()):
-        rows = torch.cat([torch.arange(int(cu[b]), int(cu[b + 1])) for b in torch.nonzero(long).flatten()])
-        sub_cu = torch.cat((cu[:1] * 0, torch.cumsum(q_lens[long], 0))).to(cu_seqlens_q.dtype)
-        out[rows] = reference.paged_prefill_attention(q[rows], k_cache, v_cache, block_tables[long], sub_cu,
-                                                      context_lens[long], scale, sliding_window, k_scale, v_scale,
-                                                      dequantize)
-    return out
+    return cpu_attention.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                                                 torch.nonzero(q_lens > 0).flatten(), scale, sliding_window,
+                                                 k_scale, v_scale).to(q.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

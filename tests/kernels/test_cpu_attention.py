@@ -169,7 +169,7 @@ def test_ops_serves_cpu_decode_from_this_kernel():
     assert torch.equal(ops.paged_decode_attention(*args, backend="torch"), reference.paged_decode_attention(*args))
 
 
-# ---------------------------------------------------------------- short query runs (speculative verification)
+# ---------------------------------------------------------------- query runs (verifications, prompt chunks)
 
 def _prefill(case, window=None, scales=(), backend=None):  # type: ignore[no-untyped-def]
     return ops.paged_prefill_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.cu_seqlens_q,
@@ -179,22 +179,24 @@ def _prefill(case, window=None, scales=(), backend=None):  # type: ignore[no-unt
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("ctx,q_lens,hq,hkv,d,window", [
     ([40, 17, 100, 9], [5, 1, 9, 9], 9, 3, 64, None),   # SmolLM2's heads: a verification batch (k = 4 / 0 / 8)
-    ([33, 200, 16], [16, 3, 16], 8, 2, 32, None),       # the longest run the kernel takes, two lane chunks
-    ([90, 31, 60], [7, 2, 40], 4, 4, 16, 10),           # sliding window; a 40-token chunk goes to the reference
+    ([33, 200, 16], [16, 3, 16], 8, 2, 32, None),       # the longest short run, two lane chunks
+    ([90, 31, 60], [7, 2, 40], 4, 4, 16, 10),           # sliding window, a 40-token chunk beside short runs
     ([30, 18, 70], [4, 1, 30], 9, 3, 64, 1),            # a window of one token
     ([9, 70, 33], [2, 8, 33], 4, 1, 128, None),         # Llama 3's head dim; a fresh 33-token prompt beside them
+    ([300, 140, 97], [300, 60, 17], 9, 3, 64, None),    # a fresh prompt, a chunk over a cached prefix, 17 queries
+    ([260, 75], [200, 75], 6, 2, 32, 50),               # long runs under a window
 ])
-def test_short_query_runs_match_dense_attention(ctx, q_lens, hq, hkv, d, window, dtype):
-    """Runs of up to ``SHORT_QUERIES`` queries (each causal over the cache) from the varlen kernel, longer ones
-    from the reference, put back in their rows: all against the float64 oracle."""
+def test_query_runs_match_dense_attention(ctx, q_lens, hq, hkv, d, window, dtype):
+    """Verifications and prompt chunks (each query causal over the cache) from the numba kernels, put back in
+    their rows: all against the float64 oracle."""
     case = make_case(ctx, q_lens, hq, hkv, d, 16, dtype)
     out = _prefill(case, window)
     assert out.dtype == dtype and out.shape == case.q.shape
     torch.testing.assert_close(out.double(), dense_attention(case, window), **tolerance(dtype))
 
 
-def test_short_query_runs_over_int8_caches_attend_over_the_rows_they_stand_for():
-    case = make_case([40, 17, 100, 5], [5, 1, 9, 40 // 8], 9, 3, 64, 16, torch.bfloat16)
+def test_query_runs_over_int8_caches_attend_over_the_rows_they_stand_for():
+    case = make_case([40, 17, 100, 5, 150], [5, 1, 9, 5, 150], 9, 3, 64, 16, torch.bfloat16)
     q8 = quantize_case(case)
     int8_case = type(case)(case.q, q8.k_cache, q8.v_cache, case.block_tables, case.context_lens,
                            case.cu_seqlens_q, case.scale)
@@ -202,31 +204,32 @@ def test_short_query_runs_over_int8_caches_attend_over_the_rows_they_stand_for()
     torch.testing.assert_close(out.double(), dense_attention(q8.dequantized), **tolerance(torch.bfloat16))
 
 
-def test_short_query_runs_go_to_the_varlen_kernel_and_long_ones_to_the_reference(monkeypatch):
-    """The routing: numba (``auto`` on CPU) sends runs of at most ``SHORT_QUERIES`` to the kernel, the rest to
-    the reference with their own offsets; the ``torch`` backend and head dims the kernel's lanes do not
-    divide go to the reference whole."""
-    served: list[list[int]] = []
-    kernel = cpu_attention.paged_short_prefill_attention
+def test_short_runs_go_to_the_varlen_kernel_long_ones_to_the_chunked_one(monkeypatch):
+    """The routing: numba (``auto`` on CPU) sends runs of at most ``SHORT_QUERIES`` to ``_varlen`` (one item per
+    sequence) and longer ones to ``_runs`` (items of 16 rows); the ``torch`` backend and head dims the kernels'
+    lanes do not divide go to the reference whole."""
+    served: dict[str, list[list[int]]] = {"_varlen": [], "_runs": []}
+    for name in served:
+        kernel = getattr(cpu_attention, name)
 
-    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
-        served.append(args[6].tolist())
-        return kernel(*args, **kwargs)
+        def spy(*args, _name=name, _kernel=kernel):  # type: ignore[no-untyped-def]
+            served[_name].append(args[9].tolist())
+            return _kernel(*args)
 
-    monkeypatch.setattr(cpu_attention, "paged_short_prefill_attention", spy)
-    case = make_case([30, 200, 17, 60], [4, 100, 17, 16], 6, 2, 32, 16)
+        monkeypatch.setattr(cpu_attention, name, spy)
+    case = make_case([30, 200, 17, 60, 5], [4, 100, 17, 16, 0], 6, 2, 32, 16)
     out = _prefill(case)
-    assert served == [[0, 3]]  # 17 queries is one past the limit
+    assert served == {"_varlen": [[0, 3]], "_runs": [[1, 2]]}  # 17 queries is one past the limit; 0 runs nowhere
     torch.testing.assert_close(out.double(), dense_attention(case), **tolerance(torch.float32))
     ref = reference.paged_prefill_attention(case.q, case.k_cache, case.v_cache, case.block_tables,
                                             case.cu_seqlens_q, case.context_lens, case.scale)
     assert torch.equal(_prefill(case, backend="torch"), ref)
     odd = make_case([30, 9], [4, 2], 4, 2, 24, 16)  # 24 is not a multiple of the 16 lanes
     _prefill(odd)
-    assert len(served) == 1
+    assert len(served["_varlen"]) == 1 and len(served["_runs"]) == 1
 
 
-def test_short_query_runs_need_their_tokens_counted_in_the_context():
+def test_query_runs_need_their_tokens_counted_in_the_context():
     case = make_case([3, 20], [4, 2], 4, 2, 32, 16)
     with pytest.raises(KernelError, match="context_lens must count"):
         _prefill(case)
@@ -234,10 +237,10 @@ def test_short_query_runs_need_their_tokens_counted_in_the_context():
 
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
-def test_random_short_runs_match_the_reference(data):
+def test_random_query_runs_match_the_reference(data):
     hkv = data.draw(st.sampled_from([1, 2, 3]))
     hq = hkv * data.draw(st.sampled_from([1, 3, 4]))
-    q_lens = data.draw(st.lists(st.integers(0, 20), min_size=1, max_size=6))
+    q_lens = data.draw(st.lists(st.integers(0, 70), min_size=1, max_size=6))
     ctx = [q + data.draw(st.integers(0, 60)) for q in q_lens]
     window = data.draw(st.one_of(st.none(), st.integers(1, 40)))
     case = make_case(ctx, q_lens, hq, hkv, data.draw(st.sampled_from([16, 32])), data.draw(st.sampled_from([4, 16])),
@@ -247,12 +250,12 @@ def test_random_short_runs_match_the_reference(data):
     torch.testing.assert_close(_prefill(case, window), ref, atol=1e-5, rtol=1e-5)
 
 
-def test_short_query_runs_are_right_on_every_thread_count():
-    """Sequences run in parallel (numba's prange): each thread's scratch arrays must be its own. Two threads
-    caught a buffer freed while the kernel still wrote to it through its address."""
+def test_query_runs_are_right_on_every_thread_count():
+    """Sequences and 16-row items run in parallel (numba's prange): each thread's scratch arrays must be its own.
+    Two threads caught a buffer freed while the kernel still wrote to it through its address."""
     import numba
 
-    case = make_case([40, 17, 100, 9, 60, 33], [5, 1, 9, 9, 16, 3], 9, 3, 64, 16)
+    case = make_case([40, 17, 100, 9, 60, 33, 150, 90], [5, 1, 9, 9, 16, 3, 150, 40], 9, 3, 64, 16)
     threads = torch.get_num_threads()
     try:
         for n in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):

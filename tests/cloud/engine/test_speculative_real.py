@@ -55,13 +55,13 @@ def test_greedy_outputs_identical_with_and_without_speculation(spec_engine: LLME
     from apiary.kernels import cpu_attention
 
     served: list[int] = []
-    kernel = cpu_attention.paged_short_prefill_attention
+    kernel = cpu_attention._varlen
 
-    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
-        served.append(len(args[6]))
-        return kernel(*args, **kwargs)
+    def spy(*args):  # type: ignore[no-untyped-def]
+        served.append(len(args[9]))
+        return kernel(*args)
 
-    monkeypatch.setattr(cpu_attention, "paged_short_prefill_attention", spy)
+    monkeypatch.setattr(cpu_attention, "_varlen", spy)
     engine = spec_engine
     prompts = prompts_for(engine)
     alone = prompts[::2]  # 2 structured + 1 free, each run by itself
