@@ -120,8 +120,8 @@ def _close_loop(builder, counter, step, count, accs, totals, entry, loop, done):
 
 
 @intrinsic
-def _lane_dots(typingctx, out, out_at, q, q_at, q_stride, key, key_at, key_stride, n, factor):  # type: ignore[no-untyped-def]
-    """``out.flat[out_at : out_at + 16] = factor * sum_d q.flat[q_at + d * q_stride : … + 16] * key.flat[key_at + d *
+def _lane_dots(typingctx, out, out_at, q, q_at, q_stride, key, key_at, key_stride, n):  # type: ignore[no-untyped-def]
+    """``out.flat[out_at : out_at + 16] = sum_d q.flat[q_at + d * q_stride : … + 16] * key.flat[key_at + d *
     key_stride]`` for d < n (a multiple of ``DOT_CHAINS``), over C-contiguous float32 arrays: 16 dot products at
     once, one vector FMA per key element.
 
@@ -129,11 +129,10 @@ def _lane_dots(typingctx, out, out_at, q, q_at, q_stride, key, key_at, key_strid
     prove a local array apart from the queries) or stay scalar; a vector value needs the IR. The arrays
     themselves are passed (not their addresses) so numba keeps them alive across the call.
     """
-    signature = types.void(out, types.intp, q, types.intp, types.intp, key, types.intp, types.intp, types.intp,
-                           types.float32)
+    signature = types.void(out, types.intp, q, types.intp, types.intp, key, types.intp, types.intp, types.intp)
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        out_arr, out_at, q_arr, q_at, stride, key_arr, key_at, key_stride, count, scale = args
+        out_arr, out_at, q_arr, q_at, stride, key_arr, key_at, key_stride, count = args
         f32, i64 = ir.FloatType(), ir.IntType(64)
         vec = ir.VectorType(f32, LANES)
         queries = builder.gep(_data(context, builder, sig.args[2], q_arr), [q_at])
@@ -152,9 +151,8 @@ def _lane_dots(typingctx, out, out_at, q, q_at, q_stride, key, key_at, key_strid
         summed = results[0]
         for result in results[1:]:
             summed = builder.fadd(summed, result, flags=("fast",))
-        scaled = builder.fmul(summed, _splat(builder, scale), flags=("fast",))
         target = builder.gep(_data(context, builder, sig.args[0], out_arr), [out_at])
-        builder.store(scaled, builder.bitcast(target, vec.as_pointer()), align=4)
+        builder.store(summed, builder.bitcast(target, vec.as_pointer()), align=4)
         return context.get_dummy_value()
 
     return signature, codegen
@@ -164,8 +162,8 @@ DOT_TOKENS = 4  # keys per _lane_dots_tokens call: each query vector loaded once
 
 
 @intrinsic
-def _lane_dots_tokens(typingctx, out, out_at, out_stride, q, q_at, q_stride, key, key_at, key_stride, token_stride, n,
-                      factor):  # type: ignore[no-untyped-def]
+def _lane_dots_tokens(typingctx, out, out_at, out_stride, q, q_at, q_stride, key, key_at, key_stride, token_stride,
+                      n):  # type: ignore[no-untyped-def]
     """``_lane_dots`` for ``DOT_TOKENS`` keys ``token_stride`` elements apart, their 16-lane results ``out_stride``
     elements apart from ``out_at``: each query vector is loaded once for all the keys (one load and
     ``DOT_TOKENS`` broadcast FMAs instead of a load per FMA), and the keys' sums are the independent chains.
@@ -173,10 +171,10 @@ def _lane_dots_tokens(typingctx, out, out_at, out_stride, q, q_at, q_stride, key
     Why: with one key, every FMA needed its own load of the query vector; two loads per FMA held the scores
     at about half the FMA rate."""
     signature = types.void(out, types.intp, types.intp, q, types.intp, types.intp, key, types.intp, types.intp,
-                           types.intp, types.intp, types.float32)
+                           types.intp, types.intp)
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        out_arr, out_at, out_stride, q_arr, q_at, stride, key_arr, key_at, key_stride, token_stride, count, scale = args
+        out_arr, out_at, out_stride, q_arr, q_at, stride, key_arr, key_at, key_stride, token_stride, count = args
         i64, vec = ir.IntType(64), ir.VectorType(ir.FloatType(), LANES)
         queries = builder.gep(_data(context, builder, sig.args[3], q_arr), [q_at])
         keys = [builder.gep(_data(context, builder, sig.args[6], key_arr),
@@ -192,8 +190,7 @@ def _lane_dots_tokens(typingctx, out, out_at, out_stride, q, q_at, q_stride, key
         target = builder.gep(_data(context, builder, sig.args[0], out_arr), [out_at])
         for u, result in enumerate(results):
             at = builder.gep(target, [builder.mul(out_stride, ir.Constant(i64, u))])
-            builder.store(builder.fmul(result, _splat(builder, scale), flags=("fast",)),
-                          builder.bitcast(at, vec.as_pointer()), align=4)
+            builder.store(result, builder.bitcast(at, vec.as_pointer()), align=4)
         return context.get_dummy_value()
 
     return signature, codegen
@@ -460,10 +457,10 @@ def _varlen(q, k_cache, v_cache, k_scale, v_scale, quantized, block_tables, cu_s
                 for t in range(0, whole, DOT_TOKENS):
                     _lane_dots_tokens(scores, ((h * n + t) * chunks + c) * LANES, chunks * LANES, q_t,
                                       (h * head_dim * chunks + c) * LANES, chunks * LANES, keys,
-                                      (t * num_kv_heads + h) * head_dim, 1, stride, head_dim, np.float32(1.0))
+                                      (t * num_kv_heads + h) * head_dim, 1, stride, head_dim)
                 for t in range(whole, n):
                     _lane_dots(scores, ((h * n + t) * chunks + c) * LANES, q_t, (h * head_dim * chunks + c) * LANES,
-                               chunks * LANES, keys, (t * num_kv_heads + h) * head_dim, 1, head_dim, np.float32(1.0))
+                               chunks * LANES, keys, (t * num_kv_heads + h) * head_dim, 1, head_dim)
         # Causal (and window) mask: query i sees positions first + i - window + 1 .. first + i.
         masked = np.float32(-3.0e38)
         for t in range(n):
@@ -577,10 +574,9 @@ def _runs(q, k_cache, v_cache, k_scale, v_scale, quantized, block_tables, cu_seq
         whole = n - n % DOT_TOKENS
         for t in range(0, whole, DOT_TOKENS):
             _lane_dots_tokens(scores, t * LANES, LANES, q_t, 0, LANES, keys, ((base + t) * num_kv_heads + h) * head_dim,
-                              1, stride, head_dim, np.float32(1.0))
+                              1, stride, head_dim)
         for t in range(whole, n):
-            _lane_dots(scores, t * LANES, q_t, 0, LANES, keys, ((base + t) * num_kv_heads + h) * head_dim, 1, head_dim,
-                       np.float32(1.0))
+            _lane_dots(scores, t * LANES, q_t, 0, LANES, keys, ((base + t) * num_kv_heads + h) * head_dim, 1, head_dim)
         # Causal (and window) mask, only where the rows disagree: keys after the first query, before the last's window.
         for t in range(max(0, first + lo_q + 1 - start - lo), n):
             pos = start + lo + t
