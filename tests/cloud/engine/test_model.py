@@ -76,13 +76,25 @@ def _hf_llama_from_engine(engine: LLMEngine):  # -> transformers LlamaForCausalL
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_real_model_logits_match_transformers(real_engine: LLMEngine) -> None:
-    """SmolLM2 through the paged engine == transformers' Llama on the same weights, to fp32 tolerance."""
+def test_real_model_logits_match_transformers(real_engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SmolLM2 through the paged engine == transformers' Llama on the same weights, to fp32 tolerance; its
+    24-token prompt chunks' attention came from the numba kernel for runs longer than 16 queries."""
+    from apiary.kernels import cpu_attention
+
+    served: list[int] = []
+    kernel = cpu_attention._runs
+
+    def spy(*args):  # type: ignore[no-untyped-def]
+        served.append(len(args[9]))
+        return kernel(*args)
+
+    monkeypatch.setattr(cpu_attention, "_runs", spy)
     ids = real_engine.tokenizer.encode(PROMPT)
     model = _hf_llama_from_engine(real_engine)
     with torch.no_grad():
         expected = model(torch.tensor([ids])).logits[0]
     _, ours = prompt_logits(real_engine, ids, chunk=24, use_prefix_cache=False)  # all positions, whatever ran before
+    assert len(served) >= real_engine.runner.model.config.num_layers  # every layer of the chunked passes
     assert (ours - expected).abs().max().item() < 2e-3, (ours - expected).abs().max().item()
     assert torch.equal(ours.argmax(-1), expected.argmax(-1))
 
