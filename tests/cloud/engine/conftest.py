@@ -87,3 +87,19 @@ def prompt_logits(engine: LLMEngine, token_ids: list[int], chunk: int | None = N
         engine.config.max_num_batched_tokens, engine.block_manager.enable_prefix_caching = saved
         engine.abort(rid)
         engine.step()  # deliver the abort
+
+
+def attention_calls(monkeypatch: pytest.MonkeyPatch, kernel: str) -> list[int]:
+    """Spy on one of ``kernels.cpu_attention``'s prefill kernels (``_varlen``: verifications, ``_runs``: prompt
+    chunks): the returned list gets the number of sequences of each call."""
+    from apiary.kernels import cpu_attention
+
+    real = getattr(cpu_attention, kernel)
+
+    def spy(*args):  # type: ignore[no-untyped-def]
+        served.append(len(args[9]))  # the kernels' arguments: ..., context_lens, seqs, scale, window, out
+        return real(*args)
+
+    served: list[int] = []
+    monkeypatch.setattr(cpu_attention, kernel, spy)
+    return served

@@ -11,7 +11,7 @@ import torch
 from apiary.cloud.engine import EngineConfig, LLMEngine
 from apiary.cloud.engine.errors import EngineError
 from apiary.kernels import cpu
-from tests.cloud.engine.conftest import prompt_logits
+from tests.cloud.engine.conftest import attention_calls, prompt_logits
 
 PROMPT = ("<|im_start|>user\nThe hive scale reads 41.3 kg, up 0.8 kg since yesterday; humidity 61%. "
           "Is the colony healthy?<|im_end|>\n<|im_start|>assistant\nA steady weight gain")
@@ -79,16 +79,7 @@ def _hf_llama_from_engine(engine: LLMEngine):  # -> transformers LlamaForCausalL
 def test_real_model_logits_match_transformers(real_engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     """SmolLM2 through the paged engine == transformers' Llama on the same weights, to fp32 tolerance; its
     24-token prompt chunks' attention came from the numba kernel for runs longer than 16 queries."""
-    from apiary.kernels import cpu_attention
-
-    served: list[int] = []
-    kernel = cpu_attention._runs
-
-    def spy(*args):  # type: ignore[no-untyped-def]
-        served.append(len(args[9]))
-        return kernel(*args)
-
-    monkeypatch.setattr(cpu_attention, "_runs", spy)
+    served = attention_calls(monkeypatch, "_runs")
     ids = real_engine.tokenizer.encode(PROMPT)
     model = _hf_llama_from_engine(real_engine)
     with torch.no_grad():

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from apiary.cloud.engine import EngineConfig, LLMEngine, SamplingParams, SpeculativeConfig
+from tests.cloud.engine.conftest import attention_calls
 from tests.cloud.engine.test_real_batching import check_same_or_near_tie
 
 FREE = ["Why do bees dance? Answer in one sentence.", "List three things a beekeeper checks in spring."]
@@ -52,16 +53,7 @@ def test_greedy_outputs_identical_with_and_without_speculation(spec_engine: LLME
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """...and the verifications' attention (each sequence's last token and its drafts) comes from the numba
     varlen kernel, which reads each cached row once for all of them."""
-    from apiary.kernels import cpu_attention
-
-    served: list[int] = []
-    kernel = cpu_attention._varlen
-
-    def spy(*args):  # type: ignore[no-untyped-def]
-        served.append(len(args[9]))
-        return kernel(*args)
-
-    monkeypatch.setattr(cpu_attention, "_varlen", spy)
+    served = attention_calls(monkeypatch, "_varlen")
     engine = spec_engine
     prompts = prompts_for(engine)
     alone = prompts[::2]  # 2 structured + 1 free, each run by itself
