@@ -81,7 +81,6 @@ def _data(context, builder, array_type, array):  # type: ignore[no-untyped-def]
 
 
 LANES = 16  # one AVX-512 register of float32: the varlen kernel pads each KV head's query rows to a multiple
-DOT_CHAINS = 4  # independent sums in _lane_dots (FMA latency 4 cycles, 1-2 issued per cycle)
 
 
 def _splat(builder, x):  # type: ignore[no-untyped-def]
@@ -119,81 +118,56 @@ def _close_loop(builder, counter, step, count, accs, totals, entry, loop, done):
     return results
 
 
-@intrinsic
-def _lane_dots(typingctx, out, out_at, q, q_at, q_stride, key, key_at, key_stride, n):  # type: ignore[no-untyped-def]
-    """``out.flat[out_at : out_at + 16] = sum_d q.flat[q_at + d * q_stride : … + 16] * key.flat[key_at + d *
-    key_stride]`` for d < n (a multiple of ``DOT_CHAINS``), over C-contiguous float32 arrays: 16 dot products at
-    once, one vector FMA per key element.
+def _lane_dots_of(tokens: int):  # type: ignore[no-untyped-def]
+    """The intrinsic ``dots(out, out_at, out_stride, q, q_at, q_stride, key, key_at, key_stride, token_stride, n)``:
+    for each of ``tokens`` keys u (``token_stride`` elements apart),
+    ``out.flat[out_at + u * out_stride : … + 16] = sum_d q.flat[q_at + d * q_stride : … + 16] * key.flat[key_at +
+    u * token_stride + d * key_stride]`` for d < n, over C-contiguous float32 arrays: 16 dot products per key,
+    one vector FMA per key element, each query vector loaded once for all the keys.
 
     Why LLVM IR: written as numba loops, the 16 sums either go through memory on every step (LLVM cannot
-    prove a local array apart from the queries) or stay scalar; a vector value needs the IR. The arrays
-    themselves are passed (not their addresses) so numba keeps them alive across the call.
+    prove a local array apart from the queries) or stay scalar; a vector value needs the IR. Why several
+    keys: with one, every FMA needed its own load of the query vector, and two loads per FMA held the scores
+    at about half the FMA rate; the keys' sums are also the independent chains that hide the FMA latency.
+    The arrays themselves are passed (not their addresses) so numba keeps them alive across the call.
     """
-    signature = types.void(out, types.intp, q, types.intp, types.intp, key, types.intp, types.intp, types.intp)
 
-    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        out_arr, out_at, q_arr, q_at, stride, key_arr, key_at, key_stride, count = args
-        f32, i64 = ir.FloatType(), ir.IntType(64)
-        vec = ir.VectorType(f32, LANES)
-        queries = builder.gep(_data(context, builder, sig.args[2], q_arr), [q_at])
-        keys = builder.gep(_data(context, builder, sig.args[5], key_arr), [key_at])
-        entry, loop, done = _open_loop(builder, "lane_dots", count)
-        # DOT_CHAINS independent sums (d mod DOT_CHAINS), so the FMAs do not wait on one another's latency.
-        d, accs = builder.phi(i64), [builder.phi(vec) for _ in range(DOT_CHAINS)]
-        totals = []
-        for u, acc in enumerate(accs):
-            du = builder.add(d, ir.Constant(i64, u))
-            row = builder.bitcast(builder.gep(queries, [builder.mul(du, stride)]), vec.as_pointer())
-            kd = builder.load(builder.gep(keys, [builder.mul(du, key_stride)]))
-            totals.append(builder.fadd(acc, builder.fmul(builder.load(row, align=4), _splat(builder, kd),
-                                                         flags=("fast",)), flags=("fast",)))
-        results = _close_loop(builder, d, DOT_CHAINS, count, accs, totals, entry, loop, done)
-        summed = results[0]
-        for result in results[1:]:
-            summed = builder.fadd(summed, result, flags=("fast",))
-        target = builder.gep(_data(context, builder, sig.args[0], out_arr), [out_at])
-        builder.store(summed, builder.bitcast(target, vec.as_pointer()), align=4)
-        return context.get_dummy_value()
+    @intrinsic
+    def dots(typingctx, out, out_at, out_stride, q, q_at, q_stride, key, key_at, key_stride, token_stride,
+             n):  # type: ignore[no-untyped-def]
+        signature = types.void(out, types.intp, types.intp, q, types.intp, types.intp, key, types.intp, types.intp,
+                               types.intp, types.intp)
 
-    return signature, codegen
+        def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+            out_arr, out_at, out_stride, q_arr, q_at, stride, key_arr, key_at, key_stride, token_stride, count = args
+            i64, vec = ir.IntType(64), ir.VectorType(ir.FloatType(), LANES)
+            queries = builder.gep(_data(context, builder, sig.args[3], q_arr), [q_at])
+            keys = [builder.gep(_data(context, builder, sig.args[6], key_arr),
+                                [builder.add(key_at, builder.mul(token_stride, ir.Constant(i64, u)))])
+                    for u in range(tokens)]
+            entry, loop, done = _open_loop(builder, f"lane_dots_{tokens}", count)
+            d, accs = builder.phi(i64), [builder.phi(vec) for _ in range(tokens)]
+            row = builder.load(builder.bitcast(builder.gep(queries, [builder.mul(d, stride)]), vec.as_pointer()),
+                               align=4)
+            offset = builder.mul(d, key_stride)
+            totals = [builder.fadd(acc, builder.fmul(row, _splat(builder, builder.load(builder.gep(k, [offset]))),
+                                                     flags=("fast",)), flags=("fast",)) for acc, k in zip(accs, keys)]
+            results = _close_loop(builder, d, 1, count, accs, totals, entry, loop, done)
+            target = builder.gep(_data(context, builder, sig.args[0], out_arr), [out_at])
+            for u, result in enumerate(results):
+                at = builder.gep(target, [builder.mul(out_stride, ir.Constant(i64, u))])
+                builder.store(result, builder.bitcast(at, vec.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    return dots
 
 
-DOT_TOKENS = 4  # keys per _lane_dots_tokens call: each query vector loaded once for all of them
+DOT_TOKENS = 4  # keys per _lane_dots_tokens call (eight measured the same)
+_lane_dots_tokens = _lane_dots_of(DOT_TOKENS)
+_lane_dots = _lane_dots_of(1)  # the keys left over
 
-
-@intrinsic
-def _lane_dots_tokens(typingctx, out, out_at, out_stride, q, q_at, q_stride, key, key_at, key_stride, token_stride,
-                      n):  # type: ignore[no-untyped-def]
-    """``_lane_dots`` for ``DOT_TOKENS`` keys ``token_stride`` elements apart, their 16-lane results ``out_stride``
-    elements apart from ``out_at``: each query vector is loaded once for all the keys (one load and
-    ``DOT_TOKENS`` broadcast FMAs instead of a load per FMA), and the keys' sums are the independent chains.
-
-    Why: with one key, every FMA needed its own load of the query vector; two loads per FMA held the scores
-    at about half the FMA rate."""
-    signature = types.void(out, types.intp, types.intp, q, types.intp, types.intp, key, types.intp, types.intp,
-                           types.intp, types.intp)
-
-    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        out_arr, out_at, out_stride, q_arr, q_at, stride, key_arr, key_at, key_stride, token_stride, count = args
-        i64, vec = ir.IntType(64), ir.VectorType(ir.FloatType(), LANES)
-        queries = builder.gep(_data(context, builder, sig.args[3], q_arr), [q_at])
-        keys = [builder.gep(_data(context, builder, sig.args[6], key_arr),
-                            [builder.add(key_at, builder.mul(token_stride, ir.Constant(i64, u)))])
-                for u in range(DOT_TOKENS)]
-        entry, loop, done = _open_loop(builder, "lane_dots_tokens", count)
-        d, accs = builder.phi(i64), [builder.phi(vec) for _ in range(DOT_TOKENS)]
-        row = builder.load(builder.bitcast(builder.gep(queries, [builder.mul(d, stride)]), vec.as_pointer()), align=4)
-        offset = builder.mul(d, key_stride)
-        totals = [builder.fadd(acc, builder.fmul(row, _splat(builder, builder.load(builder.gep(k, [offset]))),
-                                                 flags=("fast",)), flags=("fast",)) for acc, k in zip(accs, keys)]
-        results = _close_loop(builder, d, 1, count, accs, totals, entry, loop, done)
-        target = builder.gep(_data(context, builder, sig.args[0], out_arr), [out_at])
-        for u, result in enumerate(results):
-            at = builder.gep(target, [builder.mul(out_stride, ir.Constant(i64, u))])
-            builder.store(result, builder.bitcast(at, vec.as_pointer()), align=4)
-        return context.get_dummy_value()
-
-    return signature, codegen
 
 @intrinsic
 def _lane_sums(typingctx, out, out_at, p, p_at, p_stride, v, v_at, v_stride, n):  # type: ignore[no-untyped-def]
@@ -459,8 +433,8 @@ def _varlen(q, k_cache, v_cache, k_scale, v_scale, quantized, block_tables, cu_s
                                       (h * head_dim * chunks + c) * LANES, chunks * LANES, keys,
                                       (t * num_kv_heads + h) * head_dim, 1, stride, head_dim)
                 for t in range(whole, n):
-                    _lane_dots(scores, ((h * n + t) * chunks + c) * LANES, q_t, (h * head_dim * chunks + c) * LANES,
-                               chunks * LANES, keys, (t * num_kv_heads + h) * head_dim, 1, head_dim)
+                    _lane_dots(scores, ((h * n + t) * chunks + c) * LANES, 0, q_t, (h * head_dim * chunks + c) * LANES,
+                               chunks * LANES, keys, (t * num_kv_heads + h) * head_dim, 1, 0, head_dim)
         # Causal (and window) mask: query i sees positions first + i - window + 1 .. first + i.
         masked = np.float32(-3.0e38)
         for t in range(n):
@@ -576,7 +550,8 @@ def _runs(q, k_cache, v_cache, k_scale, v_scale, quantized, block_tables, cu_seq
             _lane_dots_tokens(scores, t * LANES, LANES, q_t, 0, LANES, keys, ((base + t) * num_kv_heads + h) * head_dim,
                               1, stride, head_dim)
         for t in range(whole, n):
-            _lane_dots(scores, t * LANES, q_t, 0, LANES, keys, ((base + t) * num_kv_heads + h) * head_dim, 1, head_dim)
+            _lane_dots(scores, t * LANES, 0, q_t, 0, LANES, keys, ((base + t) * num_kv_heads + h) * head_dim, 1, 0,
+                       head_dim)
         # Causal (and window) mask, only where the rows disagree: keys after the first query, before the last's window.
         for t in range(max(0, first + lo_q + 1 - start - lo), n):
             pos = start + lo + t
