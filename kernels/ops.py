@@ -32,6 +32,7 @@ from apiary.kernels import reference
 from apiary.kernels.errors import KernelError
 
 if TYPE_CHECKING:
+    from apiary.kernels.cpu_int8_gemm import GroupedWeight
     from apiary.kernels.cpu_layers import CpuStep
 
 BACKENDS = ("auto", "torch", "triton")
@@ -429,6 +430,35 @@ def _cpu_layers() -> ModuleType:
 def _numba_serves(x: torch.Tensor) -> bool:
     """The numba quantizer takes ``x`` (``auto`` backend, a CPU float32/bfloat16 tensor, numba installed)."""
     return get_backend() == "auto" and x.device.type == "cpu" and x.dtype in NUMBA_DTYPES and numba_available()
+
+
+def _cpu_int8_gemm() -> ModuleType:
+    from apiary.kernels import cpu_int8_gemm  # imports numba: only once int8 weights are asked for
+
+    return cpu_int8_gemm
+
+
+def grouped_int8_available() -> bool:
+    """The grouped int8 GEMM (``apiary.kernels.cpu_int8_gemm``) runs here: numba is installed and LLVM sees
+    AVX-512 VNNI on this CPU."""
+    return numba_available() and _cpu_int8_gemm().available()
+
+
+def pack_grouped_int8(weight: torch.Tensor) -> GroupedWeight:
+    """``weight [N, K]`` as int8 with one scale per (output, 64 inputs), in the grouped kernel's layout."""
+    _check_tensor("weight", weight, 2, float_=True)
+    return _cpu_int8_gemm().quantize_weight(weight)
+
+
+def grouped_int8_linear(x: torch.Tensor, weight: GroupedWeight, gated: bool = False) -> torch.Tensor:
+    """``x [M, K] @ W.T`` through the grouped int8 GEMM, ``x`` quantized per 64 inputs inside the call;
+    ``gated``: ``x = [gate | up]`` and the input is ``silu(gate) * up``."""
+    return _cpu_int8_gemm().linear(x, weight, gated)
+
+
+def grouped_int8_reference(x: torch.Tensor, weight: GroupedWeight) -> torch.Tensor:
+    """What ``grouped_int8_linear`` computes, in float64 torch ops (probes and tests)."""
+    return _cpu_int8_gemm().reference(x, weight)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
