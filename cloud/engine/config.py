@@ -19,7 +19,8 @@ class EngineConfig:
     adapter_path: str | Path | None = None  # a LoRA adapter folder (cloud.engine.adapter), merged at load
     device: str = "cpu"
     dtype: str = "auto"  # auto: float32 on CPU (the correctness reference), bfloat16 on CUDA
-    # decoder projections' weights: in ``dtype``, or "int8" (W8A8 with SmoothQuant, CPU only: cloud.engine.int8)
+    # decoder projections' weights: in ``dtype``, or "int8" (W8A8 with SmoothQuant, scales per 64 inputs where
+    # AVX-512 VNNI is, CPU only: cloud.engine.int8)
     weights: str = "dtype"
     # the KV cache: "auto" stores rows in ``dtype``; "int8" stores int8 rows with per-token, per-head scales
     # (CPU only: cloud.engine.kv_cache), about 2x the tokens of bf16 and 4x those of float32 per byte

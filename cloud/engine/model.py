@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from apiary.cloud.engine.config import ModelConfig
 from apiary.cloud.engine.errors import EngineError, StepInterrupted
-from apiary.cloud.engine.int8 import Int8Linear
+from apiary.cloud.engine.int8 import GroupedInt8Linear, Int8Linear
 from apiary.cloud.engine.kv_cache import LayerKV
 from apiary.cloud.engine.linear import Linear
 from apiary.kernels import ops
@@ -77,14 +77,26 @@ def paged_layout(starts: np.ndarray, counts: np.ndarray, block_tables: list[list
     return t(positions), meta, cu
 
 
+Projection = Linear | Int8Linear | GroupedInt8Linear
+
+
+def swiglu_down(down: Projection, gate_up: torch.Tensor) -> torch.Tensor:
+    """``down(silu(gate) * up)`` for ``gate_up = [gate | up]``; the grouped int8 layer does the elementwise part
+    in its quantization pass (``GroupedInt8Linear.gated``)."""
+    if isinstance(down, GroupedInt8Linear):
+        return down.gated(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return down(F.silu(gate) * up)
+
+
 @dataclass(slots=True)
 class DecoderLayer:
     input_norm: torch.Tensor
-    qkv: Linear | Int8Linear  # Int8Linear with EngineConfig(weights="int8")
-    o_proj: Linear | Int8Linear
+    qkv: Projection  # an int8 layer with EngineConfig(weights="int8")
+    o_proj: Projection
     post_norm: torch.Tensor
-    gate_up: Linear | Int8Linear
-    down: Linear | Int8Linear
+    gate_up: Projection
+    down: Projection
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.input_norm, self.post_norm] + [t for lin in (self.qkv, self.o_proj, self.gate_up, self.down)
@@ -202,8 +214,7 @@ class LlamaModel:
                 q = step.rotary_write_kv(layer.qkv(h), kv.k, kv.v, kv.k_scale, kv.v_scale)
                 attn = self._attention(q, kv, meta, step)
                 h, residual = step.rms_norm(layer.o_proj(attn.reshape(t, -1)), layer.post_norm, residual)
-                gate, up = layer.gate_up(h).chunk(2, dim=-1)
-                x = layer.down(F.silu(gate) * up)
+                x = swiglu_down(layer.down, layer.gate_up(h))
                 continue
             if residual is None:
                 residual, h = x, ops.rms_norm(x, layer.input_norm, c.rms_norm_eps)
@@ -216,8 +227,7 @@ class LlamaModel:
             attn = self._attention(q, kv, meta)
             x = layer.o_proj(attn.reshape(t, -1))
             h, residual = ops.rms_norm(x, layer.post_norm, c.rms_norm_eps, residual)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = layer.down(F.silu(gate) * up)
+            x = swiglu_down(layer.down, layer.gate_up(h))
         out, _ = ops.rms_norm(x, self.norm, c.rms_norm_eps, residual)
         return out
 

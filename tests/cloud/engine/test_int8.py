@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from apiary.cloud.engine import EngineConfig, LLMEngine, SamplingParams, int8
 from apiary.cloud.engine.errors import EngineError
 from apiary.cloud.engine.linear import Linear
+from apiary.kernels import ops
 from tests.cloud.engine.conftest import prompt_logits
 
 
@@ -88,13 +89,87 @@ def test_onednn_writes_bf16_through_float32_where_its_bf16_kernel_is_slow(monkey
 def test_the_probe_picks_an_exact_gemm_that_keeps_up_with_float32() -> None:
     choice = int8.gemm_choice()
     assert "float32 F.linear" in choice.reason
-    assert choice.backend in ("onednn", "int_mm", None)
+    assert choice.backend in ("grouped", "onednn", "int_mm", None)
     assert (choice.backend == "onednn") == (torch.float32 in choice.onednn_out)
     if choice.backend is not None:
-        assert int8.Int8Linear.of(torch.randn(16, 32)).backend == choice.backend
+        assert int8.int8_linear(torch.randn(16, 32)).backend == choice.backend
 
 
-def test_the_probe_passes_over_an_inexact_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def without_grouped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe as a host without AVX-512 VNNI runs it: no grouped kernel, so oneDNN and torch._int_mm are tried."""
+    monkeypatch.setattr(int8.ops, "grouped_int8_available", lambda: False)
+
+
+def test_the_probe_prefers_the_grouped_kernel_where_it_runs() -> None:
+    if not ops.grouped_int8_available():
+        pytest.skip("no AVX-512 VNNI here: the grouped int8 kernel does not run")
+    choice = int8.gemm_choice.__wrapped__()
+    assert choice.backend == "grouped" and "grouped int8 kernel: " in choice.reason, choice
+    assert isinstance(int8.int8_linear(torch.randn(16, 32)), int8.GroupedInt8Linear)
+
+
+def test_the_probe_passes_over_an_inexact_grouped_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not ops.grouped_int8_available():
+        pytest.skip("no AVX-512 VNNI here: the grouped int8 kernel does not run")
+    real = ops.grouped_int8_linear
+    monkeypatch.setattr(ops, "grouped_int8_linear", lambda x, w: real(x, w).clamp(-1, 1))
+    choice = int8.gemm_choice.__wrapped__()
+    assert choice.backend != "grouped" and "grouped int8 kernel: inexact" in choice.reason, choice
+
+
+def test_the_probe_says_why_there_is_no_grouped_kernel(without_grouped: None) -> None:
+    choice = int8.gemm_choice.__wrapped__()
+    assert choice.backend != "grouped" and "no grouped int8 kernel here (it needs AVX-512 VNNI)" in choice.reason
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_int8_linear_computes_the_grouped_product(rows: int, dtype: torch.dtype) -> None:
+    """Activations and weights quantized per 64 inputs: the layer gives its float64 reference up to the output's
+    rounding, with the bias added, and stays close to the float layer."""
+    if not ops.grouped_int8_available():
+        pytest.skip("no AVX-512 VNNI here: the grouped int8 kernel does not run")
+    g = torch.Generator().manual_seed(rows)
+    w, bias = torch.randn(40, 150, generator=g) * 0.05, torch.randn(40, generator=g)  # neither 16 | N nor 64 | K
+    x = torch.randn(rows, 150, generator=g).to(dtype)
+    layer = int8.GroupedInt8Linear.of(w, bias.to(dtype))
+    with torch.inference_mode():
+        y = layer(x)
+    assert y.dtype == dtype and y.shape == (rows, 40)
+    exact = ops.grouped_int8_reference(x, layer.weight) + bias.to(dtype).double()
+    tol = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.01}
+    torch.testing.assert_close(y.double(), exact, **tol)
+    ref = F.linear(x.float(), w, bias)
+    assert ((y.float() - ref).norm() / ref.norm()).item() < 0.02
+    assert layer(x[:0]).shape == (0, 40)
+    assert layer(x.reshape(1, rows, 150)).shape == (1, rows, 40)
+    assert ((layer.dequantized() - w).abs() <= w.abs().amax() / 127).all()
+
+
+def test_swiglu_down_hands_gate_and_up_to_the_grouped_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model's MLP tail: a grouped int8 down projection takes ``[gate | up]`` as it is (silu and the product in
+    the kernel's quantization pass); any other layer gets ``silu(gate) * up``. Both give the same numbers."""
+    if not ops.grouped_int8_available():
+        pytest.skip("no AVX-512 VNNI here: the grouped int8 kernel does not run")
+    from apiary.cloud.engine.model import swiglu_down
+
+    g = torch.Generator().manual_seed(5)
+    w, gate_up = torch.randn(48, 96, generator=g) * 0.1, torch.randn(6, 192, generator=g) * 3
+    layer = int8.GroupedInt8Linear.of(w)
+    calls: list[bool] = []
+    real = ops.grouped_int8_linear
+    monkeypatch.setattr(ops, "grouped_int8_linear", lambda x, wt, gated=False: calls.append(gated) or real(x, wt, gated))
+    fused = swiglu_down(layer, gate_up)
+    assert calls == [True]
+    gate, up = gate_up.chunk(2, dim=-1)
+    unfused = layer(F.silu(gate) * up)
+    assert ((fused - unfused).norm() / unfused.norm()).item() < 2e-3
+    plain = swiglu_down(Linear.of(w), gate_up)
+    torch.testing.assert_close(plain, F.linear(F.silu(gate) * up, w))
+
+
+def test_the_probe_passes_over_an_inexact_kernel(without_grouped: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Saturating int16 pair sums (u8 x s8 without VNNI) give wrong products: such a kernel is never chosen."""
     real_linear = int8._onednn_linear
     monkeypatch.setattr(int8, "_onednn_linear", lambda *args: real_linear(*args).clamp(-30000, 30000))
@@ -109,7 +184,7 @@ def _avx2_u8s8(xu: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (pairs.sum(-1) - int8.ACTIVATION_ZERO_POINT * w.long().sum(-1)).float()
 
 
-def test_the_probe_falls_back_to_7_bit_weights_where_int16_pair_sums_saturate(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_probe_falls_back_to_7_bit_weights_where_int16_pair_sums_saturate(without_grouped: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """On a CPU without VNNI, 8-bit weights overflow the kernel's int16 pair sums (255 * 127 * 2 > 32,767):
     the probe sees inexact products and takes 7-bit weights (255 * 63 * 2 fits), which layers then use."""
     monkeypatch.setattr(int8, "_prepack", lambda w: w)
@@ -130,7 +205,7 @@ def test_the_probe_falls_back_to_7_bit_weights_where_int16_pair_sums_saturate(mo
     torch.testing.assert_close(layer(x), (q.float() * s) @ layer.dequantized().t(), atol=1e-4, rtol=1e-4)
 
 
-def test_the_probe_passes_over_a_reference_speed_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_probe_passes_over_a_reference_speed_kernel(without_grouped: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """A kernel that is exact but far slower than float32 (oneDNN's reference int8 matmul: 243 ms where its
     JIT kernel takes 0.08) is not chosen; with nothing fast left, int8 weights are refused, saying why."""
     real_linear, real_int_mm = int8._onednn_linear, torch._int_mm
@@ -175,7 +250,7 @@ def test_smoothquant_folding_leaves_the_float_model_unchanged(name: str, request
     model = engine.runner.model
     stats = int8.calibrate(model, [ids[:40], ids[10:]], block_size=8)
     assert all(st["down"].shape == (model.config.intermediate_size,) for st in stats)
-    monkeypatch.setattr(int8.Int8Linear, "of", classmethod(lambda cls, w, b=None: Linear.of(w, b)))
+    monkeypatch.setattr(int8, "int8_linear", lambda w, b=None: Linear.of(w, b))
     int8.quantize_model(model, stats, alpha=0.5)
     assert model.layers[0].input_norm.ne(model.layers[0].input_norm.new_ones(1)).any()
     _, after = prompt_logits(engine, ids, use_prefix_cache=False)
@@ -189,14 +264,21 @@ def needs_fast_int8() -> None:
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_an_int8_engine_serves_batches(tiny_qwen2: Path, kv_cache_dtype: str) -> None:
-    """Also with int8 KV rows: the two int8 options compose (calibration runs on a float pool of its own)."""
+@pytest.mark.parametrize("gemm", ["probed", "per-token"])
+def test_an_int8_engine_serves_batches(tiny_qwen2: Path, kv_cache_dtype: str, gemm: str,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the probed GEMM (the grouped kernel where AVX-512 VNNI is) and on the per-token path of hosts without
+    it; also with int8 KV rows: the two int8 options compose (calibration runs on a float pool of its own)."""
+    if gemm == "per-token":
+        monkeypatch.setattr(int8.ops, "grouped_int8_available", lambda: False)
+        choice = int8.gemm_choice.__wrapped__()
+        monkeypatch.setattr(int8, "gemm_choice", lambda: choice)
     needs_fast_int8()
     engine = LLMEngine(EngineConfig(model_path=tiny_qwen2, dtype="float32", weights="int8", kv_cache_bytes=4 << 20,
                                     block_size=8, kv_cache_dtype=kv_cache_dtype))
     assert engine.runner.kv_pool.quantized == (kv_cache_dtype == "int8")
-    assert all(isinstance(layer.qkv, int8.Int8Linear) and isinstance(layer.down, int8.Int8Linear)
-               for layer in engine.runner.model.layers)
+    kind = int8.GroupedInt8Linear if int8.gemm_choice().backend == "grouped" else int8.Int8Linear
+    assert all(isinstance(layer.qkv, kind) and isinstance(layer.down, kind) for layer in engine.runner.model.layers)
     with pytest.raises(EngineError, match="already quantized"):
         int8.quantize_model(engine.runner.model, None)
     outs = engine.generate(["Queen present", "Sensor 7 reports humidity 62% and a weight gain"],
@@ -263,7 +345,9 @@ INT7_FLOOR = 0.90  # 7-bit weights (hosts without VNNI): measured 0.918 (alpha 0
 def int8_agreement(gate_references: list, gguf_path: Path) -> float:
     needs_fast_int8()
     engine = LLMEngine(EngineConfig(model_path=gguf_path, dtype="float32", weights="int8", kv_cache_bytes=64 << 20))
-    assert all(isinstance(layer.gate_up, int8.Int8Linear) for layer in engine.runner.model.layers)
+    grouped = int8.gemm_choice().backend == "grouped"
+    assert all(isinstance(layer.gate_up, int8.GroupedInt8Linear if grouped else int8.Int8Linear)
+               for layer in engine.runner.model.layers)
     agreement, positions = teacher_forced_agreement(gate_references, engine)
     assert positions > 400
     return agreement
@@ -273,17 +357,19 @@ def int8_agreement(gate_references: list, gguf_path: Path) -> float:
 @pytest.mark.timeout(900)
 def test_real_model_int8_tracks_float32(int8_agreement: float) -> None:
     """SmolLM2 with W8A8 projections (float32 elsewhere) picks the fp32 engine's next token on >= 94% of
-    teacher-forced positions (>= 90% with the 7-bit weights of a host without VNNI): a regression floor
-    under what this scheme measured."""
-    floor = INT8_FLOOR if int8.gemm_choice().weight_qmax == 127 else INT7_FLOOR
+    teacher-forced positions with per-token activations (>= 90% with the 7-bit weights of a host without VNNI):
+    a regression floor under what that scheme measured. The grouped kernel must meet the 97% gate (below)."""
+    choice = int8.gemm_choice()
+    floor = 0.97 if choice.backend == "grouped" else INT8_FLOOR if choice.weight_qmax == 127 else INT7_FLOOR
     assert int8_agreement >= floor, int8_agreement
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.xfail(strict=True, reason="issue 21's gate (>= 97% teacher-forced top-1 agreement) is not met: W8A8 with "
-                                       "per-token activations and SmoothQuant measured 95.3-96.0% on SmolLM2-135M "
-                                       "(alpha 0.3-0.8, asymmetric activations, down or qkv kept at float "
-                                       "activations: all < 97%); see docs/engine.md 'int8 weights'")
 def test_real_model_int8_meets_the_97_percent_gate(int8_agreement: float) -> None:
+    """Issue 21's gate: >= 97% teacher-forced top-1 agreement with the fp32 engine. Met by the grouped kernel
+    (scales per 64 inputs: 98.4% measured); per-token W8A8 on hosts without AVX-512 VNNI measured 95.3-96.0%
+    (alpha 0.3-0.8, asymmetric activations, down or qkv kept at float activations: all < 97%)."""
+    if int8.gemm_choice().backend != "grouped":
+        pytest.xfail("per-token W8A8 (no AVX-512 VNNI here) misses the 97% gate; docs/engine.md 'int8 weights'")
     assert int8_agreement >= 0.97, int8_agreement
