@@ -4,7 +4,7 @@ Two schemes, chosen once per process by ``gemm_choice``. Where numba compiles fo
 ``GroupedInt8Linear``: weights and activations with one scale per 64 inputs, through our own kernel
 (``apiary.kernels.cpu_int8_gemm``: ``vpdpbusd``, activations quantized inside the call, one call per
 projection, and the SwiGLU's ``silu(gate) * up`` folded into the down projection's quantization). It
-measured 98.1% teacher-forced agreement with the fp32 engine (the gate is 97%) and 1.15-1.29x the bf16
+measured 98.1% teacher-forced agreement with the fp32 engine (the gate is 97%) and 1.11-1.29x the bf16
 engine's speed on a Zen 4 host (docs/engine.md "int8 weights"). Elsewhere, ``Int8Linear``: weights per
 output channel, activations per token, through oneDNN or ``torch._int_mm``, as described below.
 
