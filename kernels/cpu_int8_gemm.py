@@ -10,7 +10,7 @@ The product of a row ``x`` and output ``n`` is ``sum_g sx[g] * sw[n, g] * sum_{k
 The inner sums are ``vpdpbusd``: 16 int32 lanes (16 outputs), each adding four u8 x s8 products per
 instruction. Weights go in as u8 (``qw + 128``), activations as s8, so each group's sum carries
 ``128 * sum(qx)``, which the accumulator starts at minus (no int16 saturation: 255 x 127 fits). After
-each group the 16 int32 sums are converted once and added with their two scales (three float ops per
+each group the 16 int32 sums are converted once and added with their two scales (four vector ops per
 16 ``vpdpbusd``).
 
 Layouts: weights ``[N / 16, K / 4, 16, 4]`` u8 (for each 16 outputs and 4 inputs, one 64-byte vector),
@@ -38,11 +38,11 @@ from numba.extending import intrinsic
 from apiary.kernels.cpu_attention import _as_f32, _close_loop, _data, _exp, _open_loop, _splat
 from apiary.kernels.errors import KernelError
 
-GROUP = 64  # inputs per scale, both sides (32: the same agreement, 25% more float work per vpdpbusd)
+GROUP = 64  # inputs per scale, both sides (32: no consistent gain in agreement, twice the float work per vpdpbusd)
 TILE = 16  # outputs per vector: 16 int32 lanes
 # Rows per micro-tile (at most 8: the leftover rows go as 4, 2, 1): 2 x 6 int and 6 float accumulators beside the
-# 16 weight vectors LLVM keeps for a group. 8 spilled float accumulators every group: 30 layers of projections at
-# 256 rows took 113-122 ms against 94-110 with 6 (and with 5), the same at 16 rows.
+# 16 weight vectors LLVM keeps for a group. With 8 rows LLVM spilled float accumulators every group: 30 layers of
+# projections at 256 rows took 113-122 ms against 94-110 with 6 (and with 5), the same at 16 rows.
 ROWS = 6
 WEIGHT_ZERO_POINT = 128  # weights enter vpdpbusd as unsigned bytes
 MIN_ABSMAX = 1e-8  # groups of zeros get this absmax: scale > 0, all-zero int8

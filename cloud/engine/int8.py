@@ -348,9 +348,6 @@ class GroupedInt8Linear:
         return self.weight.tensors() + ([] if self.bias is None else [self.bias])
 
 
-Int8Layer = (Int8Linear, GroupedInt8Linear)  # for isinstance: what ``quantize_model`` puts in a layer
-
-
 def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear | GroupedInt8Linear:
     """The int8 layer for ``weight`` on this host's probed GEMM (``gemm_choice``)."""
     if require_fast_gemm() == "grouped":
