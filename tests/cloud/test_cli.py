@@ -63,13 +63,18 @@ def test_serve_reports_an_unreachable_broker_before_loading_the_model(tmp_path, 
 def test_serve_subprocess_end_to_end(tmp_path, gguf_path, mosquitto):
     """The real command: loads the model, prints URL + key, answers REST and MQTT, leaves a death certificate.
     With --kv-cache-dtype int8 its 32 MiB KV cache holds int8 rows: 12,240 bytes per token (SmolLM2: 30 layers x
-    K and V x 3 heads x (64 + a 4-byte scale)), as /metrics says."""
+    K and V x 3 heads x (64 + a 4-byte scale)), as /metrics says; with --weights int8 its projections are int8
+    (the grouped kernel where AVX-512 VNNI is, per-token W8A8 elsewhere; none here: dtype weights)."""
     env = {**os.environ, "APIARY__CLOUD__KV_CACHE_MB": "32", "APIARY__CLOUD__MAX_MODEL_LEN": "256",
            "APIARY_LOG_LEVEL": "WARNING"}
     cmd = [sys.executable, "-c", "from apiary.cli import app; app()", "cloud", "serve", "--port", "0",
            "--model", str(gguf_path), "--broker", mosquitto.config.url, "--db", str(tmp_path / "c.db"),
            "--api-key-file", str(tmp_path / "keys.jsonl"), "--images", str(tmp_path / "img"), "--worker-id", "cli-w",
            "--kv-cache-dtype", "int8"]
+    from apiary.cloud.engine import int8
+
+    if int8.gemm_choice().backend is not None:
+        cmd += ["--weights", "int8"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     states: list = []
     edge = MqttTransport(mosquitto.config, "cli-edge", persistent=False)
