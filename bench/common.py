@@ -28,20 +28,21 @@ def percentile(values: Iterable[float], q: float) -> float:
 def machine_info() -> dict[str, Any]:
     import os
 
-    from apiary.kernels import cpu
+    from apiary.kernels import cpu, numba_threads
 
     flags = cpu.host_flags()
     return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
             "cpu_model": cpu.host_model_name(), "cpu_features": cpu.relevant(flags),
             "bf16": f"native ({cpu.native_bf16(flags)})" if cpu.native_bf16(flags) else "emulated",
-            "load_average": [round(x, 2) for x in os.getloadavg()]}
+            "numba_pool": numba_threads.describe(), "load_average": [round(x, 2) for x in os.getloadavg()]}
 
 
 def machine_line(info: dict[str, Any]) -> str:
-    """The line printed under every table: CPU model, features, bf16, CPUs and load average."""
+    """The line printed under every table: CPU model, features, bf16, CPUs, numba's pool and load average."""
     load = "/".join(f"{x:.2f}" for x in info["load_average"])
+    pool = info.get("numba_pool", "unknown").split(" (")[0]
     return (f"CPU: {info['cpu_model']}, {info['cpus']} CPUs; features: {' '.join(info['cpu_features']) or 'none found'}; "
-            f"bf16 {info['bf16']}; load average {load}")
+            f"bf16 {info['bf16']}; numba kernels on {pool}; load average {load}")
 
 
 def report(name: str, title: str, columns: list[str], rows: list[list[Any]], extra: dict[str, Any] | None = None,

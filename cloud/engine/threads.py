@@ -25,6 +25,11 @@ operator set the variables already:
   (spinning alone: 13-26), so it is for hosts whose cores are mostly the engine's.
 libgomp reads these once, when it loads: if torch was imported before ``apiary.cloud.engine``, its
 pool keeps whatever it started with, and ``report()`` says so.
+
+numba's kernels run on oneTBB's pool where the ``tbb`` wheel is installed (``kernels.numba_threads``):
+there a parallel loop's start and end cost microseconds without spinning, where numba's libgomp with
+passive waits cost ~50 us each (a decode step runs ~270 of them). numba's libgomp, and with it the
+policies above for numba, serve only where TBB is missing.
 """
 from __future__ import annotations
 
@@ -150,7 +155,9 @@ def apply(num_threads: int | None) -> int:
     torch.set_num_threads(n)
     STATE.threads = n
     passive_for_numba()
-    log.info("engine threads: %s", report())
+    from apiary.kernels import numba_threads
+
+    log.info("engine threads: %s", report(numba_pool=numba_threads.describe()))
     return n
 
 
@@ -167,8 +174,9 @@ def passive_for_numba(env: MutableMapping[str, str] | None = None, state: Thread
             state.set_by_engine[name] = value
 
 
-def report(state: ThreadState | None = None) -> str:
-    """One line: threads, where the count came from, and how each OpenMP runtime waits."""
+def report(state: ThreadState | None = None, numba_pool: str | None = None) -> str:
+    """One line: threads, where the count came from, how each OpenMP runtime waits, and ``numba_pool``
+    (``kernels.numba_threads.describe()``) where given."""
     s = STATE if state is None else state
     quota = "none" if s.quota is None else f"{s.quota:g} CPUs"
     line = f"{s.threads or s.cpus} threads (affinity {s.affinity} CPUs, cgroup quota {quota}); "
@@ -182,6 +190,8 @@ def report(state: ThreadState | None = None) -> str:
         line += "OMP_WAIT_POLICY=PASSIVE (set by the engine)"
     if "torch" in s.late:
         line += "; torch was imported before cloud.engine, so its OpenMP pool kept the policy it loaded with"
+    if numba_pool:
+        line += f"; numba kernels: {numba_pool}"
     return line
 
 

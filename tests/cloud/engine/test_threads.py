@@ -52,6 +52,7 @@ def test_environment_gets_passive_waits_and_counts_unless_the_operator_chose() -
     threads.passive_for_numba(env, state)
     assert state.set_by_engine == env
     assert "OMP_WAIT_POLICY=PASSIVE (set by the engine)" in threads.report(state)
+    assert threads.report(state, numba_pool="oneTBB's pool").endswith("; numba kernels: oneTBB's pool")
     mine = {"OMP_WAIT_POLICY": "ACTIVE", "OMP_NUM_THREADS": "1"}
     state = threads.configure_environment(mine, cpus=3, loaded={"torch": object()})
     assert mine["OMP_WAIT_POLICY"] == "ACTIVE" and mine["OMP_NUM_THREADS"] == "1" and mine["NUMBA_NUM_THREADS"] == "3"
