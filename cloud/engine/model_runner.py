@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_BYTES = 1 << 30
+WARM_UP_PROMPT = 64  # tokens of the warm-up's prompt chunk: past the short-run attention kernel's 16 queries
 DECODE_GROUPS, DECODE_GROUP_MIN = 4, 8  # CPU: decode attention in up to 4 calls of >= 8 similar-length rows
 
 
@@ -88,6 +89,7 @@ class ModelRunner:
         log.info("KV cache: %d blocks of %d tokens, %s rows (%d bytes per token)", self.num_blocks, config.block_size,
                  str(self.kv_pool.dtype).removeprefix("torch."), self.bytes_per_block // config.block_size)
         self.generator = torch.Generator().manual_seed(config.seed)
+        self.max_model_len = max_model_len
         self.warm_up()
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and config.cuda_graphs and ops.resolve_backend(self.device) == "triton":
@@ -97,13 +99,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """One decode row and one prefill row through block 0 before the engine serves anything: the first
-        call of each kernel in a process loads it (numba's, from its on-disk cache, took 0.37 s for the int8
-        KV write), and the first request should not pay for that. Block 0 is free now and whoever gets it
-        rewrites its slots, so the garbage left there is never read."""
+        """One decode row and one prefill row through block 0, then a prompt chunk of up to ``WARM_UP_PROMPT``
+        tokens, before the engine serves anything: the first call of each kernel in a process loads it (numba's,
+        from its on-disk cache, took 0.37 s for the int8 KV write; compiling one where the cache is cold, as on a
+        fresh install, seconds), and the first request should not pay for that. Short and long query runs take
+        different attention kernels on CPU (``kernels.cpu_attention``): a first request's prompt waited 5.9 s for
+        the long one's compilation when only the short one was warmed. The blocks are free now and whoever gets
+        them rewrites their slots, so the garbage left there is never read."""
         positions, meta, _ = paged_layout(np.zeros(2, dtype=np.int64), np.ones(2, dtype=np.int64), [[0], [0]],
                                           self.block_size, 1, self.device)
         self.model.forward(torch.zeros(2, dtype=torch.int64, device=self.device), positions, meta, self.kv_caches)
+        n = min(WARM_UP_PROMPT, self.num_blocks * self.block_size, self.max_model_len)
+        blocks = list(range(-(-n // self.block_size)))
+        positions, meta, _ = paged_layout(np.zeros(1, dtype=np.int64), np.array([n], dtype=np.int64), [blocks],
+                                          self.block_size, 0, self.device)
+        self.model.forward(torch.zeros(n, dtype=torch.int64, device=self.device), positions, meta, self.kv_caches)
 
     def _quantize(self, config: EngineConfig, checkpoint: Checkpoint) -> None:
         """W8A8 projections, SmoothQuant factors from a calibration pass over fixed prompts (``int8``)."""
