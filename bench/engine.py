@@ -284,6 +284,12 @@ def command(
     if unknown:
         raise typer.BadParameter(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
     int8_systems = [s for s in chosen if s.startswith("engine-int8") or s == "cloud-http-int8"]
+    if any(s.startswith("engine-int8") for s in chosen):
+        # numba's pool is per process and chosen at its first parallel loop (the probe below): an int8 engine
+        # runs numba on oneTBB's pool, so in this run every in-process engine does (the table's CPU line says so)
+        from apiary.kernels import numba_threads
+
+        numba_threads.prepare()
     if int8_systems:
         from apiary.cloud.engine import int8
 

@@ -35,10 +35,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from apiary.kernels import numba_threads
 from apiary.kernels.errors import KernelError
-
-numba_threads.prepare()  # before numba's first parallel loop picks its threading layer: TBB's where installed
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32, torch.int8)
 _NO_SCALES = np.ones((1, 1, 1), np.float32)  # float caches: the kernel never reads it

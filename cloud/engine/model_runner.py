@@ -53,7 +53,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             host_memory.keep_freed_memory()
             # The configured count, else torch's current one capped at the CPUs available.
-            n = threads.apply(config.num_threads)
+            n = threads.apply(config.num_threads, numba_on_tbb=config.weights == "int8")
             if threads.STATE.waits == "adaptive" and n > 1:
                 # Spinning waits while the CPU is the engine's, sleeping ones while others use a core.
                 throttle = self.throttle = threads.SpinThrottle(n)

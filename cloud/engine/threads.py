@@ -26,10 +26,11 @@ operator set the variables already:
 libgomp reads these once, when it loads: if torch was imported before ``apiary.cloud.engine``, its
 pool keeps whatever it started with, and ``report()`` says so.
 
-numba's kernels run on oneTBB's pool where the ``tbb`` wheel is installed (``kernels.numba_threads``):
-there a parallel loop's start and end cost microseconds without spinning, where numba's libgomp with
-passive waits cost ~50 us each (a decode step runs ~270 of them). numba's libgomp, and with it the
-policies above for numba, serve only where TBB is missing.
+With int8 weights numba's kernels run the projections, and their loops go to oneTBB's pool where the
+``tbb`` wheel is installed (``kernels.numba_threads``): there a parallel loop's start and end cost
+microseconds without spinning, where numba's libgomp with passive waits cost ~50 us each (such a decode
+step runs ~270 of them). Other engines keep numba on its libgomp with the policies above: TBB's
+yielding workers took CPU from torch's threads when the CPU was shared.
 """
 from __future__ import annotations
 
@@ -145,18 +146,27 @@ def configure_environment(env: MutableMapping[str, str] | None = None, cpus: int
     return state
 
 
-def apply(num_threads: int | None) -> int:
+def apply(num_threads: int | None, numba_on_tbb: bool = False) -> int:
     """At engine load on CPU: torch's intra-op threads, ``num_threads`` if given, else torch's current
     count capped at the CPUs available (a caller that chose fewer keeps them). numba's decode
-    kernel follows torch's count (``apiary.kernels.cpu_attention``)."""
+    kernel follows torch's count (``apiary.kernels.cpu_attention``). ``numba_on_tbb``: numba runs the
+    projections (int8 weights), so its loops go to oneTBB's pool where the wheel is installed
+    (``kernels.numba_threads``); the first engine in a process decides, before numba's first loop."""
     import torch
+
+    from apiary.kernels import numba_threads
+
+    if numba_on_tbb:
+        if numba_threads.layer() not in ("not started", "tbb"):
+            log.warning("numba's kernels already run on %s in this process; the int8 GEMM keeps it",
+                        numba_threads.describe())
+        else:
+            numba_threads.prepare()
 
     n = num_threads or min(torch.get_num_threads(), STATE.cpus or available_cpus(affinity_cpus(), cgroup_cpu_limit()))
     torch.set_num_threads(n)
     STATE.threads = n
     passive_for_numba()
-    from apiary.kernels import numba_threads
-
     log.info("engine threads: %s", report(numba_pool=numba_threads.describe()))
     return n
 

@@ -310,3 +310,31 @@ def test_adaptive_waits_named_in_the_environment_reach_a_fresh_engine(tiny_llama
     before, after, governed, n, line = json.loads(done.stdout.splitlines()[-1])
     assert before is None and after == "PASSIVE" and governed and n == 4
     assert "APIARY_CPU_WAITS=adaptive" in line
+
+
+@pytest.mark.parametrize("weights", ["dtype", "int8"])
+def test_int8_engines_run_numba_on_tbbs_pool_and_others_on_libgomp(tiny_llama: Path, weights: str) -> None:
+    """In a fresh interpreter: an int8 engine (numba runs its projections) takes oneTBB's pool where the wheel is
+    installed; one with weights in its dtype (torch's oneDNN runs them) leaves numba on libgomp."""
+    import json
+    import subprocess
+    import sys
+
+    from apiary.kernels import numba_threads
+
+    if weights == "int8":
+        from apiary.cloud.engine import int8
+
+        if int8.gemm_choice().backend is None:
+            pytest.skip(f"no fast int8 GEMM here: {int8.gemm_choice().reason}")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
+    code = ("import json; from apiary.cloud.engine import EngineConfig, LLMEngine, SamplingParams; "
+            "from apiary.kernels import numba_threads; "
+            f"e = LLMEngine(EngineConfig(model_path={str(tiny_llama)!r}, kv_cache_bytes=1 << 20, weights={weights!r})); "
+            "out = e.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True)); "
+            "print(json.dumps([numba_threads.layer(), len(out[0].output_token_ids)]))")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    layer, n = json.loads(done.stdout.splitlines()[-1])
+    want = "tbb" if weights == "int8" and numba_threads.tbb_library() is not None else "omp"
+    assert layer == want and n == 3
