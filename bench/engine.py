@@ -438,6 +438,9 @@ def command(
     if any(s in HTTP_SYSTEMS for s in results) and any(n != clients for n in batched.values()):
         typer.echo(f"note: {', '.join(batched)} ran up to {max_num_seqs} requests at a time, the HTTP systems "
                    f"{clients} clients; to compare the engine with its HTTP door, add --max-num-seqs {clients}")
+    if any(s in HTTP_SYSTEMS for s in results):
+        typer.echo("note: the CPU line names this process's numba pool; each HTTP server chooses its own (oneTBB's "
+                   "with --weights int8, libgomp otherwise: kernels/numba_threads.py) and logs it")
     beside = f", {background} busy processes beside each run" if background else ""
     report("engine", f"Engine throughput: {len(work)} requests, prompts {p_lo}-{p_hi} tok, outputs {o_lo}-{o_hi} tok"
            f"{beside}",
