@@ -39,21 +39,24 @@ needs_tbb = pytest.mark.skipif(numba_threads.tbb_library() is None, reason="the 
 
 
 @needs_tbb
-def test_the_wheels_library_is_found_and_loads() -> None:
+def test_the_wheels_library_is_found() -> None:
     path = numba_threads.tbb_library()
     assert path is not None and path.name == numba_threads.LIBRARY and path.is_file()
-    assert numba_threads.prepare() == path
 
 
 @needs_tbb
 def test_prepared_kernels_run_on_tbbs_pool() -> None:
     layer, right, before, after, prepared = probe("prepare")
-    assert layer == "tbb" and right and prepared is not None
+    assert layer == "tbb" and right and prepared == str(numba_threads.tbb_library())
     assert before == f"oneTBB's pool ({prepared})" and after == "oneTBB's pool"
 
 
 def test_unprepared_kernels_stay_on_libgomp() -> None:
     """Engines with bf16 or float32 weights: torch's oneDNN runs their projections on torch's libgomp."""
+    import ctypes.util
+
+    if ctypes.util.find_library("tbb"):
+        pytest.skip("a system libtbb is on the loader's path here: numba takes it without prepare()")
     layer, right, before, after, prepared = probe("leave")
     assert layer == "omp" and right and prepared is None
     assert before == "numba's OpenMP layer" and after == "numba's OpenMP layer"

@@ -327,6 +327,11 @@ def test_int8_engines_run_numba_on_tbbs_pool_and_others_on_libgomp(tiny_llama: P
 
         if int8.gemm_choice().backend is None:
             pytest.skip(f"no fast int8 GEMM here: {int8.gemm_choice().reason}")
+    else:
+        import ctypes.util
+
+        if ctypes.util.find_library("tbb"):
+            pytest.skip("a system libtbb is on the loader's path here: numba takes it without prepare()")
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
     code = ("import json; from apiary.cloud.engine import EngineConfig, LLMEngine, SamplingParams; "
             "from apiary.kernels import numba_threads; "
