@@ -4,8 +4,9 @@ Two schemes, chosen once per process by ``gemm_choice``. Where numba compiles fo
 ``GroupedInt8Linear``: weights and activations with one scale per 64 inputs, through our own kernel
 (``apiary.kernels.cpu_int8_gemm``: ``vpdpbusd``, activations quantized inside the call, one call per
 projection, and the SwiGLU's ``silu(gate) * up`` folded into the down projection's quantization). It
-measured 98.1% teacher-forced agreement with the fp32 engine (the gate is 97%) and 1.11-1.29x the bf16
-engine's speed on a Zen 4 host (docs/engine.md "int8 weights"). Elsewhere, ``Int8Linear``: weights per
+measured 98.1% teacher-forced agreement with the fp32 engine (the gate is 97%) and, with numba on oneTBB's
+pool (``threads.apply(numba_on_tbb=True)``), ~1.4x the bf16 engine's speed on a Zen 4 host (docs/engine.md
+"int8 weights"). Elsewhere, ``Int8Linear``: weights per
 output channel, activations per token, through oneDNN or ``torch._int_mm``, as described below.
 
 Why: int8 halves the weight bytes of bf16 (a quarter of fp32) and int8 dot products (VNNI on
