@@ -102,18 +102,18 @@ def _open_loop(builder, name, count):  # type: ignore[no-untyped-def]
 def _close_loop(builder, counter, step, count, accs, totals, entry, loop, done):  # type: ignore[no-untyped-def]
     """Wire a counted loop's phis (``counter`` by ``step`` up to ``count``; each ``accs[i]`` from zero to
     ``totals[i]``), branch back or out, and return the totals as seen after the loop (zero if it never ran)."""
-    i64, zero = ir.IntType(64), ir.Constant(ir.VectorType(ir.FloatType(), LANES), [0.0] * LANES)
+    i64 = ir.IntType(64)
     following = builder.add(counter, ir.Constant(i64, step))
     counter.add_incoming(ir.Constant(i64, 0), entry)
     counter.add_incoming(following, loop)
     for acc, total in zip(accs, totals):
-        acc.add_incoming(zero, entry)
+        acc.add_incoming(ir.Constant(acc.type, None), entry)  # zeros of the accumulator's type
         acc.add_incoming(total, loop)
     builder.cbranch(builder.icmp_signed("<", following, count), loop, done)
     builder.position_at_end(done)
     results = [builder.phi(acc.type) for acc in accs]
     for result, total in zip(results, totals):
-        result.add_incoming(zero, entry)
+        result.add_incoming(ir.Constant(total.type, None), entry)
         result.add_incoming(total, loop)
     return results
 

@@ -1,4 +1,4 @@
-"""Grouped int8 GEMM for CPUs with AVX-512 VNNI: int8 weights and activations, one scale per 64 inputs.
+"""Grouped int8 GEMM for CPUs with AVX-512 VNNI or AVX2: int8 weights and activations, one scale per 64 inputs.
 
 Why: the W8A8 projections of ``apiary.cloud.engine.int8`` through oneDNN quantized activations per
 token and cost ~100 us a call at decode's 1-16 rows (slower than bf16), and per-token activation
@@ -21,6 +21,19 @@ While a group of one tile computes, the same group of the next tile is asked for
 64 bytes): a decode step's 106 MB of int8 weights do not fit any cache, and without this the cores
 waited on them (30 layers of projections at 16 rows: 11.1 -> 7.6-7.8 ms; prefetching a whole tile
 at its start gained nothing, two tiles ahead no more than one).
+
+AVX2 hosts (no ``vpdpbusd``) get a second kernel over the same layout and the same numbers, bit for bit
+(``_avx2_micro_tile_of``: llama.cpp's sign trick into ``vpmaddubsw``, then ``vpmaddwd``): 8-bit weights
+with scales per 64 inputs there too, where oneDNN's int8 needs 7-bit weights on such a CPU (91.8%
+teacher-forced agreement against the 97% gate). Numba compiled for Haswell on the Zen 4 host
+(``NUMBA_CPU_NAME=haswell``, ``NUMBA_CPU_FEATURES`` without AVX-512), 30 layers of this model's
+projections, 2 threads: 3.2 / 17 / 62 / 248 ms at 1 / 16 / 64 / 256 rows, against float32 ``F.linear``
+(oneDNN held to AVX2) 9.5 / 43 / 103 / 332 ms: 2.5-2.9x at decode sizes, 1.3-1.7x at prompt sizes
+(docs/kernels.md "Grouped int8 GEMM"). Rows per micro-tile (1-4) made no difference there: the kernel is
+bound by its ~10 vector ops per 64 products, not by loads.
+
+Which kernel runs is ``isa()``: the best of ``runnable()``, read from the features numba compiles for
+(``NUMBA_CPU_FEATURES`` where set, as in such rehearsals, else the host's).
 """
 from __future__ import annotations
 
@@ -47,19 +60,40 @@ ROWS = 6
 WEIGHT_ZERO_POINT = 128  # weights enter vpdpbusd as unsigned bytes
 MIN_ABSMAX = 1e-8  # groups of zeros get this absmax: scale > 0, all-zero int8
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
-REQUIRED_FEATURES = ("avx512f", "avx512bw", "avx512vnni")  # LLVM's names for what the kernel's instructions need
+ROWS_AVX2 = 2  # AVX2's 16 vector registers: 2 rows x 2 halves x (int + float) accumulators beside the weights
+# LLVM's names for what each kernel's instructions need, best first
+ISA_FEATURES = {"avx512_vnni": ("avx512f", "avx512bw", "avx512vnni"), "avx2": ("avx2",)}
+
+
+def _numba_target_features() -> dict[str, bool]:
+    """The CPU features numba compiles for: ``NUMBA_CPU_FEATURES`` where the operator set it (``+a,-b``),
+    else LLVM's view of the host (what numba itself passes to LLVM)."""
+    if numba.config.CPU_FEATURES:
+        return {name[1:]: name[0] == "+" for name in numba.config.CPU_FEATURES.split(",") if name[:1] in "+-"}
+    from llvmlite import binding
+
+    return dict(binding.get_host_cpu_features())
 
 
 @functools.cache
-def available() -> bool:
-    """Whether numba compiles for a CPU with the instructions this kernel uses (LLVM's view of the host)."""
+def runnable() -> tuple[str, ...]:
+    """The kernels numba can compile here, best first: ``"avx512_vnni"`` (``vpdpbusd``), ``"avx2"``
+    (``vpmaddubsw``). Calling one the CPU lacks would kill the process with an illegal instruction."""
     try:
-        from llvmlite import binding
+        features = _numba_target_features()
+    except Exception:  # noqa: BLE001 - no feature query: none, callers take another path
+        return ()
+    return tuple(name for name, needs in ISA_FEATURES.items() if all(features.get(f, False) for f in needs))
 
-        features = binding.get_host_cpu_features()
-    except Exception:  # noqa: BLE001 - no host feature query: say no, callers take another path
-        return False
-    return all(features.get(name, False) for name in REQUIRED_FEATURES)
+
+def isa() -> str | None:
+    """The kernel ``linear`` runs by default: the best of ``runnable()``, or None."""
+    return next(iter(runnable()), None)
+
+
+def available() -> bool:
+    """Whether numba compiles for a CPU with the instructions of one of the kernels."""
+    return isa() is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,14 +160,21 @@ def reference(x: torch.Tensor, weight: GroupedWeight) -> torch.Tensor:
     return xq @ w.t()
 
 
-def linear(x: torch.Tensor, weight: GroupedWeight, gated: bool = False) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: GroupedWeight, gated: bool = False, kernel: str | None = None) -> torch.Tensor:
     """``x [M, K] @ W.T`` -> ``[M, N]`` in ``x``'s dtype (float32 or bfloat16, CPU), activations quantized
     per 64 inputs inside the call. ``gated``: ``x`` is ``[M, 2K]`` (a SwiGLU's gate and up projections side
-    by side) and the product is ``(silu(gate) * up) @ W.T``, the elementwise part done in the same pass."""
+    by side) and the product is ``(silu(gate) * up) @ W.T``, the elementwise part done in the same pass.
+    ``kernel``: one of ``runnable()`` (default: ``isa()``, the best); both kernels give the same numbers."""
     k = weight.in_features * (2 if gated else 1)
     if x.device.type != "cpu" or x.dtype not in SUPPORTED_DTYPES or x.dim() != 2 or x.shape[1] != k:
         raise KernelError(f"cpu_int8_gemm.linear takes a 2-D CPU {SUPPORTED_DTYPES} tensor of {k} "
                           f"columns, got {tuple(x.shape)} {x.dtype} on {x.device}")
+    kernel = kernel or isa()
+    if kernel not in runnable():
+        raise KernelError(f"cpu_int8_gemm.linear: kernel {kernel!r} does not run here (kernels: "
+                          f"{', '.join(ISA_FEATURES)}; this CPU, as numba compiles for it, runs: "
+                          f"{', '.join(runnable()) or 'none'})")
+    compiled = _linear if kernel == "avx512_vnni" else _linear_avx2
     m, n = x.shape[0], weight.packed.shape[0] * TILE
     if m == 0:
         return x.new_empty((0, weight.out_features))
@@ -143,11 +184,11 @@ def linear(x: torch.Tensor, weight: GroupedWeight, gated: bool = False) -> torch
     x = x.contiguous()
     if x.dtype == torch.bfloat16:
         bits = np.empty((m, n), np.int16)
-        _linear(x.view(torch.int16).numpy(), weight.packed, weight.scales, bits, gated)
+        compiled(x.view(torch.int16).numpy(), weight.packed, weight.scales, bits, gated)
         out = torch.from_numpy(bits).view(torch.bfloat16)
     else:
         out = torch.from_numpy(np.empty((m, n), np.float32))
-        _linear(x.numpy(), weight.packed, weight.scales, out.numpy(), gated)
+        compiled(x.numpy(), weight.packed, weight.scales, out.numpy(), gated)
     return out if n == weight.out_features else out[:, : weight.out_features].contiguous()
 
 
@@ -187,11 +228,72 @@ def _quantize(x, q, scale, corr, k):  # type: ignore[no-untyped-def]
         _quantize_row(x[i], q[i], scale[i], corr[i], k)
 
 
+def _operands(context, builder, sig, args, rows):  # type: ignore[no-untyped-def]
+    """A micro-tile's pointers: each row's int8 activations, the tile's packed weights and their scales, each
+    row's activation scales and corrections (all indexed by group from there)."""
+    _, _, _, q_arr, q_at, w_arr, w_at, _, sw_arr, sw_at, scale_arr, corr_arr, at, count = args
+    c = lambda v: ir.Constant(ir.IntType(64), v)  # noqa: E731
+    row_bytes = builder.mul(count, c(GROUP))
+    qs = [builder.gep(_data(context, builder, sig.args[3], q_arr), [builder.add(q_at, builder.mul(row_bytes, c(r)))])
+          for r in range(rows)]
+    weights = builder.gep(_data(context, builder, sig.args[5], w_arr), [w_at])
+    wscales = builder.gep(_data(context, builder, sig.args[8], sw_arr), [sw_at])
+    scales = [builder.gep(_data(context, builder, sig.args[10], scale_arr), [builder.add(at, builder.mul(count, c(r)))])
+              for r in range(rows)]
+    corrs = [builder.gep(_data(context, builder, sig.args[11], corr_arr), [builder.add(at, builder.mul(count, c(r)))])
+             for r in range(rows)]
+    return qs, weights, wscales, scales, corrs
+
+
+def _prefetch_group(builder, group_weights, ahead):  # type: ignore[no-untyped-def]
+    """Ask for the same group of a later tile (``ahead`` bytes on): its 16 lines, while this one computes."""
+    i32, i64 = ir.IntType(32), ir.IntType(64)
+    prefetch = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32]), "llvm.prefetch.p0")
+    later = builder.gep(group_weights, [ahead])
+    for line in range(GROUP * TILE // 64):
+        builder.call(prefetch, [builder.gep(later, [ir.Constant(i64, line * 64)]), ir.Constant(i32, 0),
+                                ir.Constant(i32, 2), ir.Constant(i32, 1)])
+
+
+def _splat_word(builder, word, lanes):  # type: ignore[no-untyped-def]
+    """An i32 broadcast to ``lanes`` lanes."""
+    i32 = ir.IntType(32)
+    vec = ir.VectorType(i32, lanes)
+    one = builder.insert_element(ir.Constant(vec, ir.Undefined), word, ir.Constant(i32, 0))
+    return builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined), ir.Constant(vec, [0] * lanes))
+
+
+def _store_rows(context, builder, sig, args, results, lanes, offset):  # type: ignore[no-untyped-def]
+    """Write row r's float32 ``results[r]`` (``lanes`` outputs) at ``out.flat[out_at + r * out_stride + offset]``,
+    as float32 or as bf16 bits rounded to nearest even."""
+    out_arr, out_at, out_stride = args[:3]
+    i16, i32, i64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
+    ivec, fvec = ir.VectorType(i32, lanes), ir.VectorType(ir.FloatType(), lanes)
+    target = builder.gep(_data(context, builder, sig.args[0], out_arr), [builder.add(out_at, ir.Constant(i64, offset))])
+    bf16 = sig.args[0].dtype == types.int16
+    for r, result in enumerate(results):
+        at_out = builder.gep(target, [builder.mul(out_stride, ir.Constant(i64, r))])
+        if bf16:  # round to nearest even, keep the top half
+            bits = builder.bitcast(result, ivec)
+            odd = builder.and_(builder.lshr(bits, ir.Constant(ivec, [16] * lanes)), ir.Constant(ivec, [1] * lanes))
+            rounded = builder.add(builder.add(bits, ir.Constant(ivec, [0x7FFF] * lanes)), odd)
+            half = builder.trunc(builder.lshr(rounded, ir.Constant(ivec, [16] * lanes)), ir.VectorType(i16, lanes))
+            builder.store(half, builder.bitcast(at_out, ir.VectorType(i16, lanes).as_pointer()), align=2)
+        else:
+            builder.store(result, builder.bitcast(at_out, fvec.as_pointer()), align=4)
+
+
+def _tile_signature(out, q, w, sw, scale, corr):  # type: ignore[no-untyped-def]
+    return types.void(out, types.intp, types.intp, q, types.intp, w, types.intp, types.intp, sw, types.intp,
+                      scale, corr, types.intp, types.intp)
+
+
 def _micro_tile_of(rows: int):  # type: ignore[no-untyped-def]
-    """The intrinsic ``tile(out, out_at, out_stride, q, q_at, w, w_at, sw, sw_at, scale, corr, at, groups)``
-    for ``rows`` rows: ``out.flat[out_at + r * out_stride : … + 16]`` (float32, or bf16 bits rounded to nearest
-    even) = the grouped int8 products of row r (``q.flat[q_at + r * groups * 64 …]`` int8, its scales and
-    corrections at ``scale/corr.flat[at + r * groups + g]``) with the 16 outputs whose packed weights start at
+    """The AVX-512 VNNI intrinsic ``tile(out, out_at, out_stride, q, q_at, w, w_at, ahead, sw, sw_at, scale, corr,
+    at, groups)`` for ``rows`` rows: ``out.flat[out_at + r * out_stride : … + 16]`` (float32, or bf16 bits rounded
+    to nearest even) = the grouped int8 products of row r (``q.flat[q_at + r * groups * 64 …]`` int8, its scales
+    and corrections at ``scale/corr.flat[at + r * groups + g]``) with the 16 outputs whose packed weights start at
     ``w.flat[w_at]`` and scales at ``sw.flat[sw_at]``.
 
     Why LLVM IR: ``vpdpbusd`` has no numba spelling, and the 2 x ``rows`` accumulators must stay in registers.
@@ -200,49 +302,27 @@ def _micro_tile_of(rows: int):  # type: ignore[no-untyped-def]
     @intrinsic
     def tile(typingctx, out, out_at, out_stride, q, q_at, w, w_at, ahead, sw, sw_at, scale, corr, at,
              groups):  # type: ignore[no-untyped-def]
-        signature = types.void(out, types.intp, types.intp, q, types.intp, w, types.intp, types.intp, sw, types.intp,
-                               scale, corr,
-                               types.intp, types.intp)
-
         def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-            out_arr, out_at, out_stride, q_arr, q_at, w_arr, w_at, ahead, sw_arr, sw_at, scale_arr, corr_arr, at, count = args
-            i16, i32, i64, f32 = ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+            ahead, count = args[7], args[13]
+            i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
             ivec, fvec = ir.VectorType(i32, TILE), ir.VectorType(f32, TILE)
             dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ivec, [ivec, ivec, ivec]),
                                                  "llvm.x86.avx512.vpdpbusd.512")
-            prefetch = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32]), "llvm.prefetch.p0")
             c = lambda v: ir.Constant(i64, v)  # noqa: E731
-            row_bytes = builder.mul(count, c(GROUP))
-            qs = [builder.gep(_data(context, builder, sig.args[3], q_arr), [builder.add(q_at, builder.mul(row_bytes, c(r)))])
-                  for r in range(rows)]
-            weights = builder.gep(_data(context, builder, sig.args[5], w_arr), [w_at])
-            wscales = builder.gep(_data(context, builder, sig.args[8], sw_arr), [sw_at])
-            scales = [builder.gep(_data(context, builder, sig.args[10], scale_arr), [builder.add(at, builder.mul(count, c(r)))])
-                      for r in range(rows)]
-            corrs = [builder.gep(_data(context, builder, sig.args[11], corr_arr), [builder.add(at, builder.mul(count, c(r)))])
-                     for r in range(rows)]
+            qs, weights, wscales, scales, corrs = _operands(context, builder, sig, args, rows)
             entry, loop, done = _open_loop(builder, f"int8_tile_{rows}", count)
             g, accs = builder.phi(i64), [builder.phi(fvec) for _ in range(rows)]
             sums, odd_sums = [], []
             for r in range(rows):
-                start = builder.insert_element(ir.Constant(ivec, ir.Undefined), builder.load(builder.gep(corrs[r], [g])),
-                                               ir.Constant(i32, 0))
-                sums.append(builder.shuffle_vector(start, ir.Constant(ivec, ir.Undefined),
-                                                   ir.Constant(ivec, [0] * TILE)))
+                sums.append(_splat_word(builder, builder.load(builder.gep(corrs[r], [g])), TILE))
                 odd_sums.append(ir.Constant(ivec, [0] * TILE))
             wg = builder.gep(weights, [builder.mul(g, c(GROUP * TILE))])
-            later = builder.gep(wg, [ahead])  # the same group of a later tile: its lines, asked for now
-            for line in range(GROUP * TILE // 64):
-                builder.call(prefetch, [builder.gep(later, [c(line * 64)]), ir.Constant(i32, 0), ir.Constant(i32, 2),
-                                        ir.Constant(i32, 1)])
+            _prefetch_group(builder, wg, ahead)
             for quad in range(GROUP // 4):
                 wv = builder.load(builder.bitcast(builder.gep(wg, [c(quad * 4 * TILE)]), ivec.as_pointer()), align=1)
                 for r in range(rows):
                     at_q = builder.gep(qs[r], [builder.add(builder.mul(g, c(GROUP)), c(quad * 4))])
-                    word = builder.load(builder.bitcast(at_q, i32.as_pointer()), align=1)
-                    one = builder.insert_element(ir.Constant(ivec, ir.Undefined), word, ir.Constant(i32, 0))
-                    splat = builder.shuffle_vector(one, ir.Constant(ivec, ir.Undefined), ir.Constant(ivec, [0] * TILE))
+                    splat = _splat_word(builder, builder.load(builder.bitcast(at_q, i32.as_pointer()), align=1), TILE)
                     if quad % 2:
                         odd_sums[r] = builder.call(dot, [odd_sums[r], wv, splat])
                     else:
@@ -255,26 +335,81 @@ def _micro_tile_of(rows: int):  # type: ignore[no-untyped-def]
                 term = builder.fmul(builder.sitofp(sums[r], fvec), both, flags=("fast",))
                 totals.append(builder.fadd(accs[r], term, flags=("fast",)))
             results = _close_loop(builder, g, 1, count, accs, totals, entry, loop, done)
-            target = builder.gep(_data(context, builder, sig.args[0], out_arr), [out_at])
-            bf16 = sig.args[0].dtype == types.int16
-            for r, result in enumerate(results):
-                at_out = builder.gep(target, [builder.mul(out_stride, c(r))])
-                if bf16:  # round to nearest even, keep the top half
-                    bits = builder.bitcast(result, ivec)
-                    odd = builder.and_(builder.lshr(bits, ir.Constant(ivec, [16] * TILE)), ir.Constant(ivec, [1] * TILE))
-                    rounded = builder.add(builder.add(bits, ir.Constant(ivec, [0x7FFF] * TILE)), odd)
-                    half = builder.trunc(builder.lshr(rounded, ir.Constant(ivec, [16] * TILE)), ir.VectorType(i16, TILE))
-                    builder.store(half, builder.bitcast(at_out, ir.VectorType(i16, TILE).as_pointer()), align=2)
-                else:
-                    builder.store(result, builder.bitcast(at_out, fvec.as_pointer()), align=4)
+            _store_rows(context, builder, sig, args, results, TILE, 0)
             return context.get_dummy_value()
 
-        return signature, codegen
+        return _tile_signature(out, q, w, sw, scale, corr), codegen
+
+    return tile
+
+
+def _avx2_micro_tile_of(rows: int):  # type: ignore[no-untyped-def]
+    """The same product as ``_micro_tile_of``'s, in AVX2 instructions: each 16-output tile in two halves of 8
+    int32 lanes. ``vpmaddubsw`` multiplies u8 by s8 and adds pairs into int16, which saturates for
+    u8 weights (255 x 127 x 2), so this kernel takes llama.cpp's sign trick instead: the weight
+    bytes back to s8 (``q + 128`` xor 0x80), the activation's sign moved onto them (``vpsignb``), and
+    ``|x|`` (at most 127) as the unsigned side: |x| * sign(x) * w, pairs at most 2 x 127 x 127 < 2^15.
+    ``vpmaddwd`` by ones then adds the pairs into int32. No corrections: nothing is offset."""
+
+    @intrinsic
+    def tile(typingctx, out, out_at, out_stride, q, q_at, w, w_at, ahead, sw, sw_at, scale, corr, at,
+             groups):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+            ahead, count = args[7], args[13]
+            i1, i8, i16, i32, i64, f32 = (ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
+                                          ir.FloatType())
+            half = TILE // 2
+            bytes_, pairs, ivec, fvec = (ir.VectorType(i8, 32), ir.VectorType(i16, 16), ir.VectorType(i32, half),
+                                         ir.VectorType(f32, half))
+            fn = lambda name, ret, *params: cgutils.get_or_insert_function(  # noqa: E731
+                builder.module, ir.FunctionType(ret, list(params)), name)
+            madd_bytes = fn("llvm.x86.avx2.pmadd.ub.sw", pairs, bytes_, bytes_)
+            madd_pairs = fn("llvm.x86.avx2.pmadd.wd", ivec, pairs, pairs)
+            sign = fn("llvm.x86.avx2.psign.b", bytes_, bytes_, bytes_)
+            absolute = fn("llvm.abs.v32i8", bytes_, bytes_, i1)
+            ones, flip = ir.Constant(pairs, [1] * 16), ir.Constant(bytes_, [-WEIGHT_ZERO_POINT] * 32)
+            c = lambda v: ir.Constant(i64, v)  # noqa: E731
+            qs, weights, wscales, scales, _ = _operands(context, builder, sig, args, rows)
+            entry, loop, done = _open_loop(builder, f"int8_avx2_tile_{rows}", count)
+            g = builder.phi(i64)
+            accs = [[builder.phi(fvec) for _ in range(2)] for _ in range(rows)]
+            sums = [[ir.Constant(ivec, None) for _ in range(2)] for _ in range(rows)]
+            wg = builder.gep(weights, [builder.mul(g, c(GROUP * TILE))])
+            _prefetch_group(builder, wg, ahead)
+            for quad in range(GROUP // 4):
+                signed = [builder.xor(builder.load(builder.bitcast(builder.gep(wg, [c(quad * 4 * TILE + h * 32)]),
+                                                                   bytes_.as_pointer()), align=1), flip)
+                          for h in range(2)]
+                for r in range(rows):
+                    at_q = builder.gep(qs[r], [builder.add(builder.mul(g, c(GROUP)), c(quad * 4))])
+                    xv = builder.bitcast(_splat_word(builder, builder.load(builder.bitcast(at_q, i32.as_pointer()),
+                                                                           align=1), half), bytes_)
+                    magnitude = builder.call(absolute, [xv, ir.Constant(i1, 0)])
+                    for h in range(2):
+                        products = builder.call(madd_bytes, [magnitude, builder.call(sign, [signed[h], xv])])
+                        sums[r][h] = builder.add(sums[r][h], builder.call(madd_pairs, [products, ones]))
+            totals = []
+            for h in range(2):
+                swv = builder.load(builder.bitcast(builder.gep(wscales, [builder.add(builder.mul(g, c(TILE)), c(h * half))]),
+                                                   fvec.as_pointer()), align=4)
+                for r in range(rows):
+                    scale_r = _splat_word(builder, builder.bitcast(builder.load(builder.gep(scales[r], [g])), i32), half)
+                    both = builder.fmul(swv, builder.bitcast(scale_r, fvec), flags=("fast",))
+                    term = builder.fmul(builder.sitofp(sums[r][h], fvec), both, flags=("fast",))
+                    totals.append(builder.fadd(accs[r][h], term, flags=("fast",)))
+            flat = [accs[r][h] for h in range(2) for r in range(rows)]
+            results = _close_loop(builder, g, 1, count, flat, totals, entry, loop, done)
+            for h in range(2):
+                _store_rows(context, builder, sig, args, results[h * rows:(h + 1) * rows], half, h * half)
+            return context.get_dummy_value()
+
+        return _tile_signature(out, q, w, sw, scale, corr), codegen
 
     return tile
 
 
 _tile_1, _tile_2, _tile_4, _tile_rows = (_micro_tile_of(rows) for rows in (1, 2, 4, ROWS))
+_avx2_tile_1, _avx2_tile_rows = (_avx2_micro_tile_of(rows) for rows in (1, ROWS_AVX2))
 
 
 @njit(inline="always", boundscheck=False)
@@ -300,25 +435,61 @@ def _tiles(m, t, ahead, out, q, packed, wscales, scale, corr):  # type: ignore[n
                 m0 * groups, groups)
 
 
+@njit(inline="always", boundscheck=False)
+def _avx2_tiles(m, t, ahead, out, q, packed, wscales, scale, corr):  # type: ignore[no-untyped-def]
+    """``_tiles`` with the AVX2 micro-tiles: ``ROWS_AVX2`` rows at a time, then 1."""
+    n, groups = out.shape[1], wscales.shape[1]
+    w_at, s_at = t * packed.shape[1] * TILE * 4, t * groups * TILE
+    for m0 in range(0, m, ROWS_AVX2):
+        if m - m0 >= ROWS_AVX2:
+            _avx2_tile_rows(out, m0 * n + t * TILE, n, q, m0 * groups * GROUP, packed, w_at, ahead, wscales, s_at,
+                            scale, corr, m0 * groups, groups)
+        else:  # the last row or rows, one at a time
+            for r in range(m0, m):
+                _avx2_tile_1(out, r * n + t * TILE, n, q, r * groups * GROUP, packed, w_at, ahead, wscales, s_at,
+                             scale, corr, r * groups, groups)
+
+
+@njit(inline="always", fastmath={"nnan", "ninf", "nsz"}, boundscheck=False)
+def _quantize_input(x, i, k, gated, q, scale, corr):  # type: ignore[no-untyped-def]
+    """Row ``i`` of the GEMM's input into ``q``/``scale``/``corr``: ``x[i]``, or ``silu(gate) * up`` when gated."""
+    if gated:
+        values = np.empty(k, np.float32)
+        for j in range(k):
+            values[j] = _silu(_as_f32(x[i, j])) * _as_f32(x[i, k + j])
+        _quantize_row(values, q[i], scale[i], corr[i], k)
+    else:
+        _quantize_row(x[i], q[i], scale[i], corr[i], k)
+
+
+@njit(inline="always", boundscheck=False)
+def _scratch(x, wscales, gated):  # type: ignore[no-untyped-def]
+    """The quantized input's arrays, allocated inside the compiled call: each array made in Python costs ~1 us, and
+    decode makes 120 of these calls a step. Returns ``(q, scale, corr, k)``."""
+    m, k, groups = x.shape[0], x.shape[1] // 2 if gated else x.shape[1], wscales.shape[1]
+    return (np.empty((m, groups * GROUP), np.int8), np.empty((m, groups), np.float32),
+            np.empty((m, groups), np.int32), k)
+
+
 @njit(parallel=True, cache=True, boundscheck=False, nogil=True)
 def _linear(x, packed, wscales, out, gated):  # type: ignore[no-untyped-def]
     """``out [M, N]`` = ``x [M, K]`` times the packed weight (float32, or bf16 bits as int16, both); ``gated``:
-    ``x`` is ``[M, 2K]``, gate and up side by side, and the input is ``silu(gate) * up`` (in float32).
-    The scratch is allocated here: each array made in Python costs ~1 us, and decode makes 120 of these
-    calls a step."""
-    m, k = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
-    tiles, groups = packed.shape[0], wscales.shape[1]
-    q = np.empty((m, groups * GROUP), np.int8)
-    scale = np.empty((m, groups), np.float32)
-    corr = np.empty((m, groups), np.int32)
-    for i in prange(m):
-        if gated:
-            values = np.empty(k, np.float32)
-            for j in range(k):
-                values[j] = _silu(_as_f32(x[i, j])) * _as_f32(x[i, k + j])
-            _quantize_row(values, q[i], scale[i], corr[i], k)
-        else:
-            _quantize_row(x[i], q[i], scale[i], corr[i], k)
-    w_tile = packed.shape[1] * TILE * 4
-    for t in prange(tiles):
-        _tiles(m, t, w_tile if t + 1 < tiles else 0, out, q, packed, wscales, scale, corr)
+    ``x`` is ``[M, 2K]``, gate and up side by side, and the input is ``silu(gate) * up`` (in float32)."""
+    q, scale, corr, k = _scratch(x, wscales, gated)
+    for i in prange(x.shape[0]):
+        _quantize_input(x, i, k, gated, q, scale, corr)
+    for t in prange(packed.shape[0]):
+        _tiles(x.shape[0], t, packed.shape[1] * TILE * 4 if t + 1 < packed.shape[0] else 0, out, q, packed, wscales,
+               scale, corr)
+
+
+@njit(parallel=True, cache=True, boundscheck=False, nogil=True)
+def _linear_avx2(x, packed, wscales, out, gated):  # type: ignore[no-untyped-def]
+    """``_linear`` through the AVX2 micro-tiles (a function of its own: numba compiles all that a function calls,
+    and LLVM cannot compile ``vpdpbusd`` for an AVX2-only CPU)."""
+    q, scale, corr, k = _scratch(x, wscales, gated)
+    for i in prange(x.shape[0]):
+        _quantize_input(x, i, k, gated, q, scale, corr)
+    for t in prange(packed.shape[0]):
+        _avx2_tiles(x.shape[0], t, packed.shape[1] * TILE * 4 if t + 1 < packed.shape[0] else 0, out, q, packed,
+                    wscales, scale, corr)

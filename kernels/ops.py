@@ -439,9 +439,14 @@ def _cpu_int8_gemm() -> ModuleType:
 
 
 def grouped_int8_available() -> bool:
-    """The grouped int8 GEMM (``apiary.kernels.cpu_int8_gemm``) runs here: numba is installed and LLVM sees
-    AVX-512 VNNI on this CPU."""
+    """The grouped int8 GEMM (``apiary.kernels.cpu_int8_gemm``) runs here: numba is installed and compiles
+    for a CPU with AVX-512 VNNI or AVX2."""
     return numba_available() and _cpu_int8_gemm().available()
+
+
+def grouped_int8_kernel() -> str | None:
+    """Which of the grouped int8 GEMM's kernels runs here (``"avx512_vnni"``, ``"avx2"``), or None."""
+    return _cpu_int8_gemm().isa() if numba_available() else None
 
 
 def pack_grouped_int8(weight: torch.Tensor) -> GroupedWeight:

@@ -1,8 +1,9 @@
-"""W8A8 linear layers: int8 weights and activations, SmoothQuant scaling; scales per 64 inputs where AVX-512 VNNI is.
+"""W8A8 linear layers: int8 weights and activations, SmoothQuant scaling; scales per 64 inputs where AVX2 or VNNI is.
 
-Two schemes, chosen once per process by ``gemm_choice``. Where numba compiles for AVX-512 VNNI,
+Two schemes, chosen once per process by ``gemm_choice``. Where numba compiles for AVX-512 VNNI or AVX2,
 ``GroupedInt8Linear``: weights and activations with one scale per 64 inputs, through our own kernel
-(``apiary.kernels.cpu_int8_gemm``: ``vpdpbusd``, activations quantized inside the call, one call per
+(``apiary.kernels.cpu_int8_gemm``: ``vpdpbusd``, or ``vpmaddubsw`` on AVX2 with the same numbers,
+activations quantized inside the call, one call per
 projection, and the SwiGLU's ``silu(gate) * up`` folded into the down projection's quantization). It
 measured 98.1% teacher-forced agreement with the fp32 engine (the gate is 97%) and, with numba on oneTBB's
 pool (``threads.apply(numba_on_tbb=True)``), ~1.4x the bf16 engine's speed on a Zen 4 host (docs/engine.md
@@ -179,7 +180,7 @@ def gemm_choice() -> GemmChoice:
         if _grouped_is_fast(xf, wf, float_ms, seen):
             return GemmChoice("grouped", (), "; ".join(seen))
     else:
-        seen.append("no grouped int8 kernel here (it needs AVX-512 VNNI)")
+        seen.append("no grouped int8 kernel here (it needs numba and AVX2 or AVX-512 VNNI)")
     has_onednn = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")
                   and hasattr(torch.ops.onednn, "qlinear_pointwise"))
     if not has_onednn:
@@ -233,7 +234,8 @@ def _grouped_is_fast(x: torch.Tensor, w: torch.Tensor, float_ms: float, seen: li
     except Exception as e:  # noqa: BLE001 - a kernel that fails to compile or run here is simply not chosen
         seen.append(f"grouped int8 kernel failed ({str(e).splitlines()[0][:80]})")
         return False
-    seen.append(f"grouped int8 kernel: {ms:.2f} ms" if exact else "grouped int8 kernel: inexact")
+    kernel = f"grouped int8 kernel ({ops.grouped_int8_kernel()})"
+    seen.append(f"{kernel}: {ms:.2f} ms" if exact else f"{kernel}: inexact")
     return ms <= PROBE_SLOWDOWN * float_ms
 
 
@@ -313,7 +315,7 @@ class Int8Linear:
 @dataclass(slots=True)
 class GroupedInt8Linear:
     """``y = x @ W.T + bias`` with int8 weights and activations, each with one scale per 64 inputs
-    (``apiary.kernels.cpu_int8_gemm``: AVX-512 VNNI, activations quantized inside the call).
+    (``apiary.kernels.cpu_int8_gemm``: AVX-512 VNNI or AVX2, activations quantized inside the call).
 
     Why groups: per-token activation scales cost accuracy (95.3-96.0% teacher-forced agreement with the
     fp32 engine); one scale per 64 inputs on both sides measured 98.4% (docs/engine.md "int8 weights").

@@ -97,30 +97,30 @@ def test_the_probe_picks_an_exact_gemm_that_keeps_up_with_float32() -> None:
 
 @pytest.fixture
 def without_grouped(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The probe as a host without AVX-512 VNNI runs it: no grouped kernel, so oneDNN and torch._int_mm are tried."""
+    """The probe as a host without numba or AVX2 runs it: no grouped kernel, so oneDNN and torch._int_mm are tried."""
     monkeypatch.setattr(int8.ops, "grouped_int8_available", lambda: False)
 
 
 def test_the_probe_prefers_the_grouped_kernel_where_it_runs() -> None:
     if not ops.grouped_int8_available():
-        pytest.skip("no AVX-512 VNNI here: the grouped int8 kernel does not run")
+        pytest.skip("neither AVX-512 VNNI nor AVX2 here: the grouped int8 kernel does not run")
     choice = int8.gemm_choice.__wrapped__()
-    assert choice.backend == "grouped" and "grouped int8 kernel: " in choice.reason, choice
+    assert choice.backend == "grouped" and f"grouped int8 kernel ({ops.grouped_int8_kernel()}): " in choice.reason, choice
     assert isinstance(int8.int8_linear(torch.randn(16, 32)), int8.GroupedInt8Linear)
 
 
 def test_the_probe_passes_over_an_inexact_grouped_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     if not ops.grouped_int8_available():
-        pytest.skip("no AVX-512 VNNI here: the grouped int8 kernel does not run")
+        pytest.skip("neither AVX-512 VNNI nor AVX2 here: the grouped int8 kernel does not run")
     real = ops.grouped_int8_linear
     monkeypatch.setattr(ops, "grouped_int8_linear", lambda x, w: real(x, w).clamp(-1, 1))
     choice = int8.gemm_choice.__wrapped__()
-    assert choice.backend != "grouped" and "grouped int8 kernel: inexact" in choice.reason, choice
+    assert choice.backend != "grouped" and f"grouped int8 kernel ({ops.grouped_int8_kernel()}): inexact" in choice.reason, choice
 
 
 def test_the_probe_says_why_there_is_no_grouped_kernel(without_grouped: None) -> None:
     choice = int8.gemm_choice.__wrapped__()
-    assert choice.backend != "grouped" and "no grouped int8 kernel here (it needs AVX-512 VNNI)" in choice.reason
+    assert choice.backend != "grouped" and "no grouped int8 kernel here (it needs numba and AVX2 or AVX-512 VNNI)" in choice.reason
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64])
@@ -129,7 +129,7 @@ def test_grouped_int8_linear_computes_the_grouped_product(rows: int, dtype: torc
     """Activations and weights quantized per 64 inputs: the layer gives its float64 reference up to the output's
     rounding, with the bias added, and stays close to the float layer."""
     if not ops.grouped_int8_available():
-        pytest.skip("no AVX-512 VNNI here: the grouped int8 kernel does not run")
+        pytest.skip("neither AVX-512 VNNI nor AVX2 here: the grouped int8 kernel does not run")
     g = torch.Generator().manual_seed(rows)
     w, bias = torch.randn(40, 150, generator=g) * 0.05, torch.randn(40, generator=g)  # neither 16 | N nor 64 | K
     x = torch.randn(rows, 150, generator=g).to(dtype)
@@ -151,7 +151,7 @@ def test_swiglu_down_hands_gate_and_up_to_the_grouped_kernel(monkeypatch: pytest
     """The model's MLP tail: a grouped int8 down projection takes ``[gate | up]`` as it is (silu and the product in
     the kernel's quantization pass); any other layer gets ``silu(gate) * up``. Both give the same numbers."""
     if not ops.grouped_int8_available():
-        pytest.skip("no AVX-512 VNNI here: the grouped int8 kernel does not run")
+        pytest.skip("neither AVX-512 VNNI nor AVX2 here: the grouped int8 kernel does not run")
     from apiary.cloud.engine.model import swiglu_down
 
     g = torch.Generator().manual_seed(5)
