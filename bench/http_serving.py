@@ -113,13 +113,14 @@ def _process(cmd: list[str], ready_url: str, env: dict[str, str] | None, timeout
 
 @contextmanager
 def llama_server(model: Path, threads: int, slots: int, ctx_per_slot: int, timeout: float = 300,
-                 alias: str = "bench", options: Sequence[str] = ()) -> Iterator[Server]:
+                 alias: str = "bench", options: Sequence[str] = (), binary: Path = LLAMA_SERVER) -> Iterator[Server]:
     """llama.cpp's own server: ``slots`` parallel slots of ``ctx_per_slot`` tokens each, continuous batching,
-    serving ``model`` as ``alias``; ``options``: more of its command-line options."""
-    if not LLAMA_SERVER.is_file():
-        raise RuntimeError(f"llama-server is not built ({LLAMA_SERVER} missing): run bash deploy/build_llama_server.sh")
+    serving ``model`` as ``alias``; ``options``: more of its command-line options; ``binary``: which build."""
+    if not binary.is_file():
+        raise RuntimeError(f"no llama-server at {binary}: run bash deploy/build_llama_server.sh"
+                           + ("" if binary == LLAMA_SERVER else f" (or pass the path of a build; the default is {LLAMA_SERVER})"))
     port = free_port()
-    cmd = [str(LLAMA_SERVER), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
+    cmd = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
            "-c", str(slots * ctx_per_slot), "-t", str(threads), "-tb", str(threads), "-b", "1024",
            "--alias", alias, *options]
     with _process(cmd, f"http://127.0.0.1:{port}/health", None, timeout) as proc:
@@ -244,19 +245,22 @@ LLAMA_OPTIONS: dict[str, tuple[str, ...]] = {"llama-server": (), "llama-server-n
 
 
 def run_server_system(system: str, model: Path, work: Sequence[Any], *, threads: int, clients: int, dtype: str,
-                      max_num_seqs: int, budget: int, drop_env: Sequence[str] = ()) -> Any:
+                      max_num_seqs: int, budget: int, drop_env: Sequence[str] = (),
+                      llama_server_binary: Path = LLAMA_SERVER) -> Any:
     """One round of an HTTP system (``llama-server`` or ``cloud-http``) on a freshly started server, as a
     ``bench.engine.Result``. ``drop_env``: variables this process set for its own engine, which the server
-    must not inherit (it runs with the operator's environment)."""
+    must not inherit (it runs with the operator's environment). ``llama_server_binary``: which llama.cpp build
+    (e.g. one built for AVX2 only, to rehearse such a host)."""
     from apiary.bench.engine import Result
 
     env = {k: v for k, v in os.environ.items() if k not in drop_env}
     if system in LLAMA_OPTIONS:
         ctx = max(len(r.prompt) + r.max_tokens for r in work) + 16
         options = LLAMA_OPTIONS[system]
-        server = llama_server(model, threads, clients, ctx, options=options)
-        detail = (f"llama.cpp's llama-server{''.join(f' {o}' for o in options)}, {clients} slots, {threads} threads, "
-                  f"over HTTP, {clients} clients")
+        server = llama_server(model, threads, clients, ctx, options=options, binary=llama_server_binary)
+        build = "" if llama_server_binary == LLAMA_SERVER else f" ({llama_server_binary})"
+        detail = (f"llama.cpp's llama-server{build}{''.join(f' {o}' for o in options)}, {clients} slots, {threads} "
+                  f"threads, over HTTP, {clients} clients")
     elif system in CLOUD_OPTIONS:
         options = CLOUD_OPTIONS[system]
         server = cloud_server(model, dtype, max_num_seqs, budget, env, options=options)

@@ -5,13 +5,14 @@
 # tested against and the peer `apiary bench engine --systems llama-server` measures. The build takes
 # ~25 min on a busy 2-core machine, so a marker records the CMake flags it was built with and a run
 # with the same flags (the same CPU features) returns at once; a different CPU rebuilds it.
-# Usage: bash deploy/build_llama_server.sh [--force]    (PYTHON=… picks the interpreter with pip)
+# Usage: bash deploy/build_llama_server.sh [--force]    (PYTHON=… picks the interpreter with pip;
+# LLAMA_CPU_FLAGS=… builds for other CPU features, deploy/llama_cpp_flags.sh; OUT=… another folder for it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source deploy/llama_cpp_flags.sh
 
 version=0.3.36
-out=.venv/llama-server
+out=${OUT:-.venv/llama-server}
 marker=$out/.build-flags
 cmake_args="$(llama_cpp_cmake_args) -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
 wanted="llama-cpp-python==$version $cmake_args"

@@ -99,12 +99,16 @@ def test_http_systems_serve_the_same_requests_and_report_ratio_rss_and_warm_up(t
 
     systems = ["cloud-http", "cloud-http-ngram", "engine"] + (["llama-server", "llama-server-ngram"]
                                                              if LLAMA_SERVER.is_file() else [])
+    build = tmp_path / "builds" / "llama-server"  # another build of it, as a rehearsal of another CPU passes
+    if LLAMA_SERVER.is_file():
+        build.parent.mkdir()
+        build.symlink_to(LLAMA_SERVER)
     monkeypatch.chdir(tmp_path)
     app = typer.Typer()
     app.command()(bench_engine.command)
     result = CliRunner().invoke(app, ["--model", str(gguf_path), "--systems", ",".join(systems), "--requests", "4",
                                       "--prompt-tokens", "16-48", "--output-tokens", "4-12", "--clients", "2",
-                                      "--threads", "2", "--dtype", "float32"])
+                                      "--threads", "2", "--dtype", "float32", "--llama-server", str(build)])
     assert result.exit_code == 0, result.output
     record = json.loads((tmp_path / "results" / "bench" / "engine.json").read_text())
     rows = {row[0]: dict(zip(record["columns"], row)) for row in record["rows"]}
@@ -120,11 +124,24 @@ def test_http_systems_serve_the_same_requests_and_report_ratio_rss_and_warm_up(t
     # both servers once more with n-gram speculation, llama.cpp's at our proposer's lookup and draft lengths
     assert "--speculative ngram" in record["systems"]["cloud-http-ngram"]
     if "llama-server" in rows:
+        assert f"llama-server ({build})" in record["systems"]["llama-server"]
         assert "--spec-type ngram-simple --spec-ngram-simple-size-n 4" in record["systems"]["llama-server-ngram"]
         expected = rows["cloud-http"]["output tok/s"] / rows["llama-server"]["output tok/s"]
         assert rows["cloud-http"]["x llama-server"] == pytest.approx(expected, rel=0.02)
     else:
         assert rows["cloud-http"]["x llama-server"] == "-"
+
+
+def test_a_missing_llama_server_build_is_named(tmp_path: Path, gguf_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--llama-server PATH`` that holds no binary: the run stops before starting anything, naming the path."""
+    monkeypatch.chdir(tmp_path)
+    app = typer.Typer()
+    app.command()(bench_engine.command)
+    missing = tmp_path / "nowhere" / "llama-server"
+    result = CliRunner().invoke(app, ["--model", str(gguf_path), "--systems", "llama-server", "--requests", "2",
+                                      "--llama-server", str(missing)], env={"COLUMNS": "400"})
+    assert result.exit_code == 2 and not (tmp_path / "results").exists()
+    assert f"no llama-server at {missing}: run bash deploy/build_llama_server.sh" in result.output
 
 
 def test_warm_up_probes_are_alike_in_length_and_share_no_prefix() -> None:
