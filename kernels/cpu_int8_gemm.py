@@ -30,7 +30,7 @@ teacher-forced agreement against the 97% gate). Numba compiled for Haswell on th
 projections, 2 threads: 3.2 / 17 / 62 / 248 ms at 1 / 16 / 64 / 256 rows, against float32 ``F.linear``
 (oneDNN held to AVX2) 9.5 / 43 / 103 / 332 ms: 2.5-2.9x at decode sizes, 1.3-1.7x at prompt sizes
 (docs/kernels.md "Grouped int8 GEMM"). Rows per micro-tile (1-4) made no difference there: the kernel is
-bound by its ~10 vector ops per 64 products, not by loads.
+bound by its ~9 vector ops per 64 products, not by loads.
 
 Which kernel runs is ``isa()``: the best of ``runnable()``, read from the features numba compiles for
 (``NUMBA_CPU_FEATURES`` where set, as in such rehearsals, else the host's).
@@ -349,15 +349,16 @@ def _avx2_micro_tile_of(rows: int):  # type: ignore[no-untyped-def]
     u8 weights (255 x 127 x 2), so this kernel takes llama.cpp's sign trick instead: the weight
     bytes back to s8 (``q + 128`` xor 0x80), the activation's sign moved onto them (``vpsignb``), and
     ``|x|`` (at most 127) as the unsigned side: |x| * sign(x) * w, pairs at most 2 x 127 x 127 < 2^15.
-    ``vpmaddwd`` by ones then adds the pairs into int32. No corrections: nothing is offset."""
+    ``vpmaddwd`` by ones then adds the pairs into int32. No corrections: nothing is offset, and the argument
+    the VNNI tile takes them in brings ``|q|`` instead (``q``'s layout), computed once per call rather than
+    by a ``vpabsb`` per row, quad and tile (5-7% of the kernel's time at 64-256 rows)."""
 
     @intrinsic
     def tile(typingctx, out, out_at, out_stride, q, q_at, w, w_at, ahead, sw, sw_at, scale, corr, at,
              groups):  # type: ignore[no-untyped-def]
         def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
             ahead, count = args[7], args[13]
-            i1, i8, i16, i32, i64, f32 = (ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
-                                          ir.FloatType())
+            i8, i16, i32, i64, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
             half = TILE // 2
             bytes_, pairs, ivec, fvec = (ir.VectorType(i8, 32), ir.VectorType(i16, 16), ir.VectorType(i32, half),
                                          ir.VectorType(f32, half))
@@ -366,10 +367,11 @@ def _avx2_micro_tile_of(rows: int):  # type: ignore[no-untyped-def]
             madd_bytes = fn("llvm.x86.avx2.pmadd.ub.sw", pairs, bytes_, bytes_)
             madd_pairs = fn("llvm.x86.avx2.pmadd.wd", ivec, pairs, pairs)
             sign = fn("llvm.x86.avx2.psign.b", bytes_, bytes_, bytes_)
-            absolute = fn("llvm.abs.v32i8", bytes_, bytes_, i1)
             ones, flip = ir.Constant(pairs, [1] * 16), ir.Constant(bytes_, [-WEIGHT_ZERO_POINT] * 32)
             c = lambda v: ir.Constant(i64, v)  # noqa: E731
             qs, weights, wscales, scales, _ = _operands(context, builder, sig, args, rows)
+            mag_at = builder.gep(_data(context, builder, sig.args[11], args[11]), [args[4]])  # |q|: q's layout
+            mags = [builder.gep(mag_at, [builder.mul(builder.mul(count, c(GROUP)), c(r))]) for r in range(rows)]
             entry, loop, done = _open_loop(builder, f"int8_avx2_tile_{rows}", count)
             g = builder.phi(i64)
             accs = [[builder.phi(fvec) for _ in range(2)] for _ in range(rows)]
@@ -381,10 +383,10 @@ def _avx2_micro_tile_of(rows: int):  # type: ignore[no-untyped-def]
                                                                    bytes_.as_pointer()), align=1), flip)
                           for h in range(2)]
                 for r in range(rows):
-                    at_q = builder.gep(qs[r], [builder.add(builder.mul(g, c(GROUP)), c(quad * 4))])
-                    xv = builder.bitcast(_splat_word(builder, builder.load(builder.bitcast(at_q, i32.as_pointer()),
-                                                                           align=1), half), bytes_)
-                    magnitude = builder.call(absolute, [xv, ir.Constant(i1, 0)])
+                    offset = builder.add(builder.mul(g, c(GROUP)), c(quad * 4))
+                    xv, magnitude = (builder.bitcast(_splat_word(builder, builder.load(
+                        builder.bitcast(builder.gep(base, [offset]), i32.as_pointer()), align=1), half), bytes_)
+                        for base in (qs[r], mags[r]))
                     for h in range(2):
                         products = builder.call(madd_bytes, [magnitude, builder.call(sign, [signed[h], xv])])
                         sums[r][h] = builder.add(sums[r][h], builder.call(madd_pairs, [products, ones]))
@@ -436,18 +438,19 @@ def _tiles(m, t, ahead, out, q, packed, wscales, scale, corr):  # type: ignore[n
 
 
 @njit(inline="always", boundscheck=False)
-def _avx2_tiles(m, t, ahead, out, q, packed, wscales, scale, corr):  # type: ignore[no-untyped-def]
-    """``_tiles`` with the AVX2 micro-tiles: ``ROWS_AVX2`` rows at a time, then 1."""
+def _avx2_tiles(m, t, ahead, out, q, packed, wscales, scale, magnitude):  # type: ignore[no-untyped-def]
+    """``_tiles`` with the AVX2 micro-tiles: ``ROWS_AVX2`` rows at a time, then 1; they take ``|q|`` where the
+    VNNI ones take the corrections."""
     n, groups = out.shape[1], wscales.shape[1]
     w_at, s_at = t * packed.shape[1] * TILE * 4, t * groups * TILE
     for m0 in range(0, m, ROWS_AVX2):
         if m - m0 >= ROWS_AVX2:
             _avx2_tile_rows(out, m0 * n + t * TILE, n, q, m0 * groups * GROUP, packed, w_at, ahead, wscales, s_at,
-                            scale, corr, m0 * groups, groups)
+                            scale, magnitude, m0 * groups, groups)
         else:  # the last row or rows, one at a time
             for r in range(m0, m):
                 _avx2_tile_1(out, r * n + t * TILE, n, q, r * groups * GROUP, packed, w_at, ahead, wscales, s_at,
-                             scale, corr, r * groups, groups)
+                             scale, magnitude, r * groups, groups)
 
 
 @njit(inline="always", fastmath={"nnan", "ninf", "nsz"}, boundscheck=False)
@@ -488,8 +491,11 @@ def _linear_avx2(x, packed, wscales, out, gated):  # type: ignore[no-untyped-def
     """``_linear`` through the AVX2 micro-tiles (a function of its own: numba compiles all that a function calls,
     and LLVM cannot compile ``vpdpbusd`` for an AVX2-only CPU)."""
     q, scale, corr, k = _scratch(x, wscales, gated)
+    magnitude = np.empty_like(q)  # |q|, vpmaddubsw's unsigned side: one pass here, not one vpabsb per row and tile
     for i in prange(x.shape[0]):
         _quantize_input(x, i, k, gated, q, scale, corr)
+        for j in range(q.shape[1]):
+            magnitude[i, j] = abs(q[i, j])
     for t in prange(packed.shape[0]):
         _avx2_tiles(x.shape[0], t, packed.shape[1] * TILE * 4 if t + 1 < packed.shape[0] else 0, out, q, packed,
-                    wscales, scale, corr)
+                    wscales, scale, magnitude)
