@@ -126,9 +126,11 @@ class ModelRunner:
         stats = int8.calibrate(self.model, prompts, config.block_size)
         int8.quantize_model(self.model, stats)
         choice = int8.gemm_choice()
+        kept = sorted(int8.dtype_layers(len(self.model.layers)))
         log.info("int8 weights (W8A8, SmoothQuant alpha %.2f over %d calibration tokens, %s GEMM, %d-bit weights; "
-                 "probe: %s) in %.1f s", int8.DEFAULT_ALPHA, sum(map(len, prompts)), choice.backend,
-                 choice.weight_bits, choice.reason, time.perf_counter() - start)
+                 "decoder layers %s stay in %s; probe: %s) in %.1f s", int8.DEFAULT_ALPHA, sum(map(len, prompts)),
+                 choice.backend, choice.weight_bits, kept or "none", str(self.dtype).removeprefix("torch."),
+                 choice.reason, time.perf_counter() - start)
 
     def _default_kv_bytes(self) -> int:
         if self.device.type == "cuda":

@@ -13,6 +13,7 @@ from apiary.cloud.engine.errors import EngineError
 from apiary.cloud.engine.linear import Linear
 from apiary.kernels import ops
 from tests.cloud.engine.conftest import prompt_logits
+from tests.cloud.engine.tiny import make_checkpoint
 
 
 def test_weights_quantize_per_output_channel() -> None:
@@ -286,6 +287,33 @@ def test_an_int8_engine_serves_batches(tiny_qwen2: Path, kv_cache_dtype: str, ge
     assert [len(o.output_token_ids) for o in outs] == [6, 6]
 
 
+@pytest.mark.parametrize(("layers", "kept"), [(1, set()), (2, set()), (4, set()), (5, {0, 4}), (30, {0, 29})])
+def test_the_layers_left_in_dtype_are_the_first_and_last_of_a_deep_enough_stack(layers: int, kept: set[int]) -> None:
+    assert int8.dtype_layers(layers) == kept
+    assert int8.dtype_layers(30, edge=2) == {0, 1, 28, 29} and int8.dtype_layers(30, edge=0) == set()
+
+
+def test_an_int8_engine_keeps_its_first_and_last_layers_in_dtype(tmp_path: Path) -> None:
+    """A six-layer model: layers 0 and 5 keep their float projections (and their unsmoothed norms), 1-4 go int8;
+    the engine serves batches through the mix."""
+    needs_fast_int8()
+    folder = make_checkpoint(tmp_path / "six", "llama", layers=6)
+    reference = LLMEngine(EngineConfig(model_path=folder, dtype="float32", kv_cache_bytes=4 << 20, block_size=8))
+    engine = LLMEngine(EngineConfig(model_path=folder, dtype="float32", weights="int8", kv_cache_bytes=4 << 20,
+                                    block_size=8))
+    float_layers, layers = reference.runner.model.layers, engine.runner.model.layers
+    for i, layer in enumerate(layers):
+        if i in (0, 5):
+            assert all(isinstance(getattr(layer, name), Linear) for name in int8.PROJECTIONS), i
+            assert torch.equal(layer.input_norm, float_layers[i].input_norm)
+            assert torch.equal(layer.qkv.weight, float_layers[i].qkv.weight)
+        else:
+            assert not any(isinstance(getattr(layer, name), Linear) for name in int8.PROJECTIONS), i
+    prompts = ["Queen present", "Sensor 7 reports humidity 62% and a weight gain"]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    assert [len(o.output_token_ids) for o in outs] == [6, 6]
+
+
 def test_an_int8_engine_is_refused_before_calibrating_where_int8_would_crawl(
         tiny_qwen2: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(int8, "gemm_choice", lambda: int8.GemmChoice(None, (), "oneDNN -> float32 243.28 ms"))
@@ -346,8 +374,10 @@ def int8_agreement(gate_references: list, gguf_path: Path) -> float:
     needs_fast_int8()
     engine = LLMEngine(EngineConfig(model_path=gguf_path, dtype="float32", weights="int8", kv_cache_bytes=64 << 20))
     grouped = int8.gemm_choice().backend == "grouped"
-    assert all(isinstance(layer.gate_up, int8.GroupedInt8Linear if grouped else int8.Int8Linear)
-               for layer in engine.runner.model.layers)
+    layers = engine.runner.model.layers
+    assert int8.dtype_layers(len(layers)) == {0, len(layers) - 1}  # SmolLM2's 30: the first and last stay float32
+    assert all(isinstance(layer.gate_up, Linear if i in (0, len(layers) - 1) else
+                          int8.GroupedInt8Linear if grouped else int8.Int8Linear) for i, layer in enumerate(layers))
     agreement, positions = teacher_forced_agreement(gate_references, engine)
     assert positions > 400
     return agreement
