@@ -404,3 +404,28 @@ def test_real_model_int8_meets_the_97_percent_gate(int8_agreement: float) -> Non
     if int8.gemm_choice().backend != "grouped":
         pytest.xfail("per-token W8A8 (no grouped int8 kernel here) misses the 97% gate; docs/engine.md 'int8 weights'")
     assert int8_agreement >= 0.97, int8_agreement
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_real_model_int8_logits_are_the_same_through_the_avx2_kernel(gguf_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """SmolLM2's int8 engine, one prompt of the gate: every projection through the AVX2 kernel (what an AVX2-only
+    host runs) gives the VNNI kernel's logits exactly, so that host gets the accuracy measured here."""
+    from apiary.kernels import cpu_int8_gemm as gemm
+
+    if set(gemm.runnable()) != {"avx512_vnni", "avx2"}:
+        pytest.skip(f"needs a CPU that runs both int8 kernels (this one runs: {gemm.runnable()})")
+    engine = LLMEngine(EngineConfig(model_path=gguf_path, dtype="float32", weights="int8", kv_cache_bytes=64 << 20))
+    ids = engine.tokenizer.encode(GATE_TEXTS[1])
+    _, vnni = prompt_logits(engine, ids, use_prefix_cache=False)
+    real, kernels = gemm.linear, []
+
+    def avx2(x: torch.Tensor, weight, gated: bool = False, kernel: str | None = None) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        kernels.append("avx2")
+        return real(x, weight, gated, kernel="avx2")
+
+    monkeypatch.setattr(gemm, "linear", avx2)
+    _, through_avx2 = prompt_logits(engine, ids, use_prefix_cache=False)
+    assert len(kernels) == 28 * len(int8.PROJECTIONS)  # 30 layers, the first and last in float32
+    assert torch.equal(through_avx2, vnni)
