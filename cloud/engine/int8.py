@@ -425,7 +425,6 @@ def calibrate(model: LlamaModel, prompts: Iterable[list[int]], block_size: int =
     return stats
 
 
-@torch.inference_mode()
 def dtype_layers(num_layers: int, edge: int = DTYPE_EDGE_LAYERS) -> set[int]:
     """The decoder layers ``quantize_model`` leaves in the engine's dtype: ``edge`` at each end of the stack,
     where the model has more than ``4 * edge`` layers."""
@@ -434,6 +433,7 @@ def dtype_layers(num_layers: int, edge: int = DTYPE_EDGE_LAYERS) -> set[int]:
     return set(range(edge)) | set(range(num_layers - edge, num_layers))
 
 
+@torch.inference_mode()
 def quantize_model(model: LlamaModel, stats: list[dict[str, torch.Tensor]] | None, alpha: float = DEFAULT_ALPHA,
                    keep: set[int] | None = None) -> None:
     """Replace the decoder layers' projections by int8 ones (``int8_linear``), in place, all but the layers in
