@@ -47,16 +47,26 @@ def backends(layer: int8.Int8Linear) -> list[int8.Int8Linear]:
     return [plain, int8.Int8Linear(layer.qweight, layer.scale, layer.bias, int8._prepack(layer.qweight))]
 
 
+@pytest.fixture(scope="module")
+def per_token_choice() -> int8.GemmChoice:
+    """What the probe finds for the per-token path, the grouped kernel left out: where the grouped kernel runs,
+    ``gemm_choice()`` says nothing about oneDNN's weight width (8-bit pair sums saturate without VNNI)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(int8.ops, "grouped_int8_available", lambda: False)
+        return int8.gemm_choice.__wrapped__()
+
+
 @pytest.mark.parametrize("rows", [1, 7, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_linear_computes_the_quantized_product(rows: int, dtype: torch.dtype) -> None:
+def test_int8_linear_computes_the_quantized_product(rows: int, dtype: torch.dtype,
+                                                    per_token_choice: int8.GemmChoice) -> None:
     """Both GEMMs (oneDNN with u8 activations, torch._int_mm) compute q(x) @ q(W).T exactly up to float
     rounding, and the result stays close to the float layer."""
     g = torch.Generator().manual_seed(rows)
     w, bias = torch.randn(96, 80, generator=g) * 0.05, torch.randn(96, generator=g)
     x = torch.randn(rows, 80, generator=g).to(dtype)
     before = x.clone()
-    q, scale = int8.quantize_weight(w, int8.gemm_choice().weight_qmax)  # 7-bit where 8-bit pair sums saturate
+    q, scale = int8.quantize_weight(w, per_token_choice.weight_qmax)  # 7-bit where 8-bit pair sums saturate
     layer = int8.Int8Linear(q, scale, bias.to(dtype))
     xq, s = int8.quantize_rows(x)
     exact = (xq.float() * s) @ layer.dequantized().t() + bias.to(dtype).float()
