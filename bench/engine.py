@@ -285,13 +285,12 @@ def command(
     unknown = set(chosen) - set(SYSTEMS)
     if unknown:
         raise typer.BadParameter(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
-    if any(s.startswith("llama-server") for s in chosen):
-        from apiary.bench.http_serving import LLAMA_SERVER
+    from apiary.bench.http_serving import LLAMA_SERVER
 
-        binary = Path(llama_server) if llama_server else LLAMA_SERVER
-        if not binary.is_file():
-            raise typer.BadParameter(f"no llama-server at {binary}: run bash deploy/build_llama_server.sh, or pass "
-                                     "--llama-server with the path of a build", param_hint="--llama-server")
+    llama_server_binary = Path(llama_server) if llama_server else LLAMA_SERVER
+    if any(s.startswith("llama-server") for s in chosen) and not llama_server_binary.is_file():
+        raise typer.BadParameter(f"no llama-server at {llama_server_binary}: run bash deploy/build_llama_server.sh, "
+                                 "or pass --llama-server with the path of a build", param_hint="--llama-server")
     int8_systems = [s for s in chosen if s.startswith("engine-int8") or s == "cloud-http-int8"]
     if any(s.startswith("engine-int8") for s in chosen):
         # numba's pool is per process and chosen at its first parallel loop (the probe below): an int8 engine
@@ -381,7 +380,7 @@ def command(
             res = run_server_system(system, path, work, threads=threads, clients=clients, dtype=dtype,
                                     max_num_seqs=max_num_seqs, budget=budget,
                                     drop_env=engine_threads.STATE.set_by_engine,
-                                    **({"llama_server_binary": Path(llama_server)} if llama_server else {}))
+                                    llama_server_binary=llama_server_binary)
             typer.echo(f"  {system} warm-up: first request's TTFT {res.extra['warmup_ttfts'][0]:.2f} s, tenth's "
                        f"{res.extra['warmup_ttfts'][-1]:.2f} s")
         else:
