@@ -166,6 +166,82 @@ def test_without_aging_it_would_starve() -> None:
     assert starving.status is SequenceStatus.WAITING  # the control: the aging rule is what saves it
 
 
+def test_waiting_earns_a_place_in_line_not_an_eviction() -> None:
+    """An equal that aged while waiting takes the next free slot, ahead of later arrivals, but does not push a
+    running request out (which would only recompute that one's K/V: churn, no gain)."""
+    sched = make_scheduler(max_seqs=1, aging_steps=1)
+    running = make_seq(4, priority=1, max_tokens=20)
+    sched.add(running)
+    run_step(sched)
+    aged = make_seq(4, priority=1, max_tokens=1)
+    sched.add(aged)
+    for _ in range(5):
+        run_step(sched)
+        sched.add(make_seq(4, priority=1, max_tokens=1))  # later arrivals of the same priority
+    assert aged.aging_boost >= 5 and aged.status is SequenceStatus.WAITING
+    assert running.status is SequenceStatus.RUNNING and sched.num_preemptions == 0
+    while running.status is not SequenceStatus.FINISHED:
+        run_step(sched)
+    batch = run_step(sched)
+    assert batch.seqs == [aged] and sched.num_preemptions == 0  # the freed slot goes to the aged one
+
+
+def test_a_more_urgent_priority_still_evicts_but_not_one_that_earned_its_place() -> None:
+    sched = make_scheduler(max_seqs=1, aging_steps=2)
+    lazy = make_seq(4, priority=2, max_tokens=50)
+    sched.add(lazy)
+    run_step(sched)
+    sched.add(urgent := make_seq(4, priority=0, max_tokens=1))
+    batch = run_step(sched)
+    assert batch.preempted == [lazy] and urgent in batch.seqs  # its own priority beats the running one's
+    for _ in range(50):  # urgent traffic every step until lazy has waited its way back up to priority 0
+        sched.add(make_seq(4, priority=0, max_tokens=1))
+        run_step(sched)
+        if lazy.status is SequenceStatus.RUNNING:
+            break
+    assert lazy.status is SequenceStatus.RUNNING and lazy.aging_boost >= 2
+    sched.add(late := make_seq(4, priority=0, max_tokens=1))
+    batch = run_step(sched)
+    assert not batch.preempted and late.status is SequenceStatus.WAITING  # what lazy earned protects it
+
+
+def test_running_prompts_go_on_past_a_request_that_may_not_evict_them() -> None:
+    """The aged request at the head of the line waits for the slot a prompt mid-prefill holds and may not
+    take it: that prompt keeps going (and frees it), where stopping the line there would stall both."""
+    sched = make_scheduler(budget=4, max_seqs=1, aging_steps=1)
+    prompt = make_seq(12, priority=1, max_tokens=1)
+    sched.add(prompt)
+    run_step(sched)
+    assert 0 < prompt.num_computed_tokens < 12  # mid-prefill
+    aged = make_seq(4, priority=1, max_tokens=1)
+    sched.add(aged)
+    for _ in range(20):
+        if not sched.has_unfinished():
+            break
+        run_step(sched)
+    assert aged.aging_boost >= 1  # it stood ahead of the running prompt in line
+    assert prompt.status is SequenceStatus.FINISHED and aged.status is SequenceStatus.FINISHED
+    assert sched.num_preemptions == 0
+
+
+def test_decodes_do_not_sit_out_for_a_prompt_that_cannot_start() -> None:
+    """Decodes sit a step out for a more urgent prompt only when that prompt runs in it: an aged one that
+    waits for their slots would otherwise idle them, and itself, for good."""
+    sched = make_scheduler(max_seqs=2, aging_steps=1)
+    decoders = [make_seq(4, priority=1, max_tokens=6) for _ in range(2)]
+    for s in decoders:
+        sched.add(s)
+    run_step(sched)
+    aged = make_seq(4, priority=1, max_tokens=1)
+    sched.add(aged)
+    for _ in range(20):
+        if not sched.has_unfinished():
+            break
+        batch = run_step(sched)
+        assert batch.seqs or not sched.has_unfinished()  # never an idle step
+    assert all(s.status is SequenceStatus.FINISHED for s in [*decoders, aged]) and sched.num_preemptions == 0
+
+
 def test_swap_mode_parks_kv_and_restores_it() -> None:
     sched = make_scheduler(num_blocks=4, block_size=4, mode="swap", swap_blocks=8)
     low = make_seq(8, priority=5, max_tokens=100)
