@@ -26,6 +26,9 @@ is exact: hosts differ from day to day, and without VNNI (the Zen 4 host with on
 ``vpmaddubsw`` saturate int16) and oneDNN's bf16 output took its reference kernel, so the probe
 falls back to 7-bit weights there (exact; 91.8% teacher-forced agreement instead of 95.8%), and
 where nothing passes int8 weights are refused with its findings instead of computing wrong numbers.
+``Int8Linear`` itself reads ``per_token_choice``, the same probe without the grouped kernel: where that
+kernel wins, ``gemm_choice`` never measures oneDNN's weight width, and a per-token layer built there
+directly (not by the engine) would have taken 8-bit weights that AVX2's pair sums saturate.
 Measured on the 2-core Sapphire Rapids dev machine (AVX-512 VNNI, AMX), one thread, this model's
 four projections summed, GEMM alone (ms):
 rows 1: oneDNN 0.38, ``_int_mm`` 0.65, fp32 0.62, bf16 prepacked 0.46; rows 64: 0.53, 0.64,
@@ -175,19 +178,39 @@ def _best_ms(fn, repeats: int = 3) -> float:
 
 @functools.cache
 def gemm_choice() -> GemmChoice:
-    """Probe oneDNN's int8 linear (per output dtype), then ``torch._int_mm``, with 8-bit weights and then
-    7-bit ones: exact, and fast next to float32."""
-    rows, k, n = PROBE_SHAPE
-    g = torch.Generator().manual_seed(0)
-    x = torch.randint(-127, 128, (rows, k), generator=g, dtype=torch.int8)
-    xf, wf = x.float(), torch.randn(n, k, generator=g)
-    float_ms = _best_ms(lambda: F.linear(xf, wf))
-    seen = [f"float32 F.linear {float_ms:.2f} ms at {rows}x{k}x{n}"]
+    """The engine's int8 GEMM: the grouped kernel where it is exact and fast next to float32, else what
+    ``per_token_choice`` finds."""
+    g, x, xf, wf, float_ms, seen = _probe_inputs()
     if ops.grouped_int8_available():
         if _grouped_is_fast(xf, wf, float_ms, seen):
             return GemmChoice("grouped", (), "; ".join(seen))
     else:
         seen.append("no grouped int8 kernel here (it needs numba and AVX2 or AVX-512 VNNI)")
+    return _probe_per_token(g, x, xf, float_ms, seen)
+
+
+@functools.cache
+def per_token_choice() -> GemmChoice:
+    """The GEMM and weight width of the per-token path (``Int8Linear``), probed on its own: where the grouped
+    kernel runs, ``gemm_choice`` never looks at oneDNN, whose u8 x s8 pair sums need 7-bit weights without VNNI."""
+    g, x, xf, _, float_ms, seen = _probe_inputs()
+    return _probe_per_token(g, x, xf, float_ms, seen)
+
+
+def _probe_inputs() -> tuple[torch.Generator, torch.Tensor, torch.Tensor, torch.Tensor, float, list[str]]:
+    """The probe's int8 activations (and as float32), a float32 weight, and float32 ``F.linear``'s time."""
+    rows, k, n = PROBE_SHAPE
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-127, 128, (rows, k), generator=g, dtype=torch.int8)
+    xf, wf = x.float(), torch.randn(n, k, generator=g)
+    float_ms = _best_ms(lambda: F.linear(xf, wf))
+    return g, x, xf, wf, float_ms, [f"float32 F.linear {float_ms:.2f} ms at {rows}x{k}x{n}"]
+
+
+def _probe_per_token(g: torch.Generator, x: torch.Tensor, xf: torch.Tensor, float_ms: float, seen: list[str]) -> GemmChoice:
+    """oneDNN's int8 linear (per output dtype), then ``torch._int_mm``, with 8-bit weights and then 7-bit ones:
+    the first exact one that keeps up with float32."""
+    rows, k, n = PROBE_SHAPE
     has_onednn = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")
                   and hasattr(torch.ops.onednn, "qlinear_pointwise"))
     if not has_onednn:
@@ -246,9 +269,10 @@ def _grouped_is_fast(x: torch.Tensor, w: torch.Tensor, float_ms: float, seen: li
     return ms <= PROBE_SLOWDOWN * float_ms
 
 
-def require_fast_gemm() -> str:
-    """The probed backend, or a clear refusal where int8 would run at reference-kernel speed."""
-    choice = gemm_choice()
+def require_fast_gemm(choice: GemmChoice | None = None) -> str:
+    """The probed backend (of ``gemm_choice``, or of ``choice``), or a clear refusal where int8 would run at
+    reference-kernel speed."""
+    choice = gemm_choice() if choice is None else choice
     if choice.backend is None:
         raise EngineError("int8 weights need a fast int8 GEMM and this CPU has none (no exact oneDNN or torch._int_mm "
                           f"kernel here keeps up with float32: {choice.reason}); use weights='dtype'")
@@ -285,8 +309,9 @@ class Int8Linear:
     def of(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
         if weight.device.type != "cpu":
             raise EngineError("int8 weights are a CPU path (oneDNN / torch._int_mm); use dtype bfloat16 on CUDA")
-        backend = require_fast_gemm()
-        q, scale = quantize_weight(weight, gemm_choice().weight_qmax)
+        choice = per_token_choice()
+        backend = require_fast_gemm(choice)
+        q, scale = quantize_weight(weight, choice.weight_qmax)
         return cls(q, scale, bias, _prepack(q) if backend == "onednn" else None)
 
     @property
@@ -297,7 +322,7 @@ class Int8Linear:
         """``q @ qweight.T`` times the weight scales, in ``out_dtype`` (oneDNN's path overwrites ``q``)."""
         if self.packed is not None:
             # where oneDNN writes bf16 only with its reference kernel (AVX2 without VNNI), go through float32
-            direct = out_dtype == torch.float32 or out_dtype in gemm_choice().onednn_out
+            direct = out_dtype == torch.float32 or out_dtype in per_token_choice().onednn_out
             y = _onednn_linear(_as_u8(q), self.packed, self.scale, out_dtype if direct else torch.float32)
             return y if direct else y.to(out_dtype)
         return torch._int_mm(q, self.qweight.t()).to(out_dtype).mul_(self.scale.to(out_dtype))

@@ -49,11 +49,9 @@ def backends(layer: int8.Int8Linear) -> list[int8.Int8Linear]:
 
 @pytest.fixture(scope="module")
 def per_token_choice() -> int8.GemmChoice:
-    """What the probe finds for the per-token path, the grouped kernel left out: where the grouped kernel runs,
+    """What the probe finds for the per-token path (``int8.per_token_choice``): where the grouped kernel runs,
     ``gemm_choice()`` says nothing about oneDNN's weight width (8-bit pair sums saturate without VNNI)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(int8.ops, "grouped_int8_available", lambda: False)
-        return int8.gemm_choice.__wrapped__()
+    return int8.per_token_choice()
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64])
@@ -87,11 +85,11 @@ def test_onednn_writes_bf16_through_float32_where_its_bf16_kernel_is_slow(monkey
     if not hasattr(torch.ops.onednn, "qlinear_pointwise"):
         pytest.skip("this torch build has no oneDNN int8 linear")
     w = torch.randn(32, 48) * 0.1
-    q, scale = int8.quantize_weight(w, int8.gemm_choice().weight_qmax)  # 7-bit where 8-bit pair sums saturate
+    q, scale = int8.quantize_weight(w, int8.per_token_choice().weight_qmax)  # 7-bit where 8-bit pair sums saturate
     layer = int8.Int8Linear(q, scale, None, int8._prepack(q))
     x = torch.randn(5, 48).bfloat16()
     direct = layer(x)
-    monkeypatch.setattr(int8, "gemm_choice", lambda: int8.GemmChoice("onednn", (torch.float32,), "scripted"))
+    monkeypatch.setattr(int8, "per_token_choice", lambda: int8.GemmChoice("onednn", (torch.float32,), "scripted"))
     via_float = layer(x)
     assert via_float.dtype == torch.bfloat16
     torch.testing.assert_close(via_float, direct, atol=0.02, rtol=0.02)
@@ -208,12 +206,24 @@ def test_the_probe_falls_back_to_7_bit_weights_where_int16_pair_sums_saturate(wi
     choice = int8.gemm_choice.__wrapped__()
     assert (choice.backend, choice.weight_qmax) == ("onednn", 63), choice
     assert "oneDNN -> float32, 8-bit weights: inexact" in choice.reason and "torch._int_mm, 8-bit weights: inexact" in choice.reason
-    monkeypatch.setattr(int8, "gemm_choice", lambda: choice)
+    again = int8.per_token_choice.__wrapped__()  # the per-token path's own probe finds the same
+    assert (again.backend, again.weight_qmax) == ("onednn", 63), again
+    monkeypatch.setattr(int8, "per_token_choice", lambda: choice)
     layer = int8.Int8Linear.of(torch.randn(16, 32))
     assert layer.qweight.abs().amax() == 63
     x = torch.randn(3, 32)
     q, s = int8.quantize_rows(x)
     torch.testing.assert_close(layer(x), (q.float() * s) @ layer.dequantized().t(), atol=1e-4, rtol=1e-4)
+
+
+def test_a_per_token_layer_takes_its_own_probes_weight_width_where_the_grouped_kernel_was_chosen(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``gemm_choice`` says "grouped" (8 bits) without looking at oneDNN; a per-token layer built beside it
+    quantizes to what oneDNN needs here (7 bits on a CPU without VNNI, scripted)."""
+    monkeypatch.setattr(int8, "gemm_choice", lambda: int8.GemmChoice("grouped", (), "scripted"))
+    monkeypatch.setattr(int8, "per_token_choice", lambda: int8.GemmChoice("int_mm", (), "scripted", 63))
+    layer = int8.Int8Linear.of(torch.randn(16, 32))
+    assert layer.backend == "int_mm" and layer.qweight.abs().amax() == 63
 
 
 def test_the_probe_passes_over_a_reference_speed_kernel(without_grouped: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -233,7 +243,7 @@ def test_the_probe_passes_over_a_reference_speed_kernel(without_grouped: None, m
     monkeypatch.setattr(torch, "_int_mm", slow(real_int_mm))
     choice = int8.gemm_choice.__wrapped__()
     assert choice.backend is None and "torch._int_mm" in choice.reason
-    monkeypatch.setattr(int8, "gemm_choice", lambda: choice)
+    monkeypatch.setattr(int8, "per_token_choice", lambda: choice)
     with pytest.raises(EngineError, match="fast int8 GEMM"):
         int8.Int8Linear.of(torch.randn(16, 32))
 
