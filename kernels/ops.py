@@ -461,6 +461,12 @@ def grouped_int8_linear(x: torch.Tensor, weight: GroupedWeight, gated: bool = Fa
     return _cpu_int8_gemm().linear(x, weight, gated)
 
 
+def bind_grouped_int8(weight: GroupedWeight) -> Callable[..., torch.Tensor]:
+    """``grouped_int8_linear`` for this one weight, called as ``f(x, gated=False)``: the kernel chosen once,
+    for a layer that calls it every step."""
+    return _cpu_int8_gemm().Bound(weight)
+
+
 def grouped_int8_reference(x: torch.Tensor, weight: GroupedWeight) -> torch.Tensor:
     """What ``grouped_int8_linear`` computes, in float64 torch ops (probes and tests)."""
     return _cpu_int8_gemm().reference(x, weight)

@@ -65,8 +65,8 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -356,6 +356,10 @@ class GroupedInt8Linear:
     weight: GroupedWeight
     bias: torch.Tensor | None = None
     backend = "grouped"
+    _linear: Callable[..., torch.Tensor] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._linear = ops.bind_grouped_int8(self.weight)  # the kernel chosen once, not per call
 
     @classmethod
     def of(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> GroupedInt8Linear:
@@ -366,13 +370,13 @@ class GroupedInt8Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             return self(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
-        y = ops.grouped_int8_linear(x, self.weight)
+        y = self._linear(x)
         return y if self.bias is None else y.add_(self.bias)
 
     def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``self(silu(gate) * up)`` for ``gate_up = [gate | up]`` (a SwiGLU's two projections side by side), the
         elementwise part done in the kernel's quantization pass: two torch ops and a tensor fewer per layer."""
-        y = ops.grouped_int8_linear(gate_up, self.weight, gated=True)
+        y = self._linear(gate_up, True)
         return y if self.bias is None else y.add_(self.bias)
 
     def dequantized(self) -> torch.Tensor:

@@ -149,6 +149,12 @@ def test_ops_serves_the_kernel(gemm) -> None:  # type: ignore[no-untyped-def]
     packed = ops.pack_grouped_int8(w)
     assert torch.equal(ops.grouped_int8_linear(x, packed), gemm.linear(x, packed))
     torch.testing.assert_close(ops.grouped_int8_reference(x, packed), gemm.reference(x, packed))
+    bound = ops.bind_grouped_int8(packed)  # what a layer holds: the same products, its checks still on
+    assert torch.equal(bound(x), gemm.linear(x, packed))
+    gate_up = torch.randn(3, 128)
+    assert torch.equal(bound(gate_up, True), gemm.linear(gate_up, packed, gated=True))
+    with pytest.raises(KernelError, match="cpu_int8_gemm.linear takes"):
+        bound(torch.randn(3, 63))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -156,7 +156,7 @@ def test_grouped_int8_linear_computes_the_grouped_product(rows: int, dtype: torc
     assert ((layer.dequantized() - w).abs() <= w.abs().amax() / 127).all()
 
 
-def test_swiglu_down_hands_gate_and_up_to_the_grouped_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_swiglu_down_hands_gate_and_up_to_the_grouped_kernel() -> None:
     """The model's MLP tail: a grouped int8 down projection takes ``[gate | up]`` as it is (silu and the product in
     the kernel's quantization pass); any other layer gets ``silu(gate) * up``. Both give the same numbers."""
     if not ops.grouped_int8_available():
@@ -167,8 +167,8 @@ def test_swiglu_down_hands_gate_and_up_to_the_grouped_kernel(monkeypatch: pytest
     w, gate_up = torch.randn(48, 96, generator=g) * 0.1, torch.randn(6, 192, generator=g) * 3
     layer = int8.GroupedInt8Linear.of(w)
     calls: list[bool] = []
-    real = ops.grouped_int8_linear
-    monkeypatch.setattr(ops, "grouped_int8_linear", lambda x, wt, gated=False: calls.append(gated) or real(x, wt, gated))
+    real = layer._linear  # the kernel bound to this weight (ops.bind_grouped_int8)
+    layer._linear = lambda x, gated=False: calls.append(gated) or real(x, gated)
     fused = swiglu_down(layer, gate_up)
     assert calls == [True]
     gate, up = gate_up.chunk(2, dim=-1)
