@@ -207,6 +207,18 @@ def test_same_greedy_tokens_alone_batched_cached_and_preempted(tiny_llama: Path,
     assert tight.block_manager.num_free_blocks == tight.block_manager.num_blocks
 
 
+def test_a_burst_beyond_max_num_seqs_runs_without_evictions(tiny_llama: Path) -> None:
+    """More requests of one priority than sequence slots: those waiting age (here every 2 steps) but take the
+    slots that free up, never a running one's; what runs matches each request alone."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    texts = prompts(12, seed=5, max_words=20)
+    roomy = [o.output_token_ids for o in engine_for(tiny_llama).generate(texts, params)]
+    engine = engine_for(tiny_llama, max_num_seqs=3, aging_steps=2)
+    outs = engine.generate(texts, params)
+    assert [o.output_token_ids for o in outs] == roomy
+    assert engine.metrics()["preemptions"] == 0 and all(o.metrics.preemptions == 0 for o in outs)
+
+
 def test_metrics_report_the_engine_state(tiny_llama: Path) -> None:
     engine = engine_for(tiny_llama)
     engine.generate(prompts(8, seed=2), SamplingParams(max_tokens=10, ignore_eos=True))

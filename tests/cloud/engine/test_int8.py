@@ -428,8 +428,7 @@ def test_real_model_int8_meets_the_97_percent_gate(int8_agreement: float) -> Non
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_real_model_int8_logits_are_the_same_through_the_avx2_kernel(gguf_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_real_model_int8_logits_are_the_same_through_the_avx2_kernel(gguf_path: Path) -> None:
     """SmolLM2's int8 engine, one prompt of the gate: every projection through the AVX2 kernel (what an AVX2-only
     host runs) gives the VNNI kernel's logits exactly, so that host gets the accuracy measured here."""
     from apiary.kernels import cpu_int8_gemm as gemm
@@ -439,13 +438,20 @@ def test_real_model_int8_logits_are_the_same_through_the_avx2_kernel(gguf_path: 
     engine = LLMEngine(EngineConfig(model_path=gguf_path, dtype="float32", weights="int8", kv_cache_bytes=64 << 20))
     ids = engine.tokenizer.encode(GATE_TEXTS[1])
     _, vnni = prompt_logits(engine, ids, use_prefix_cache=False)
-    real, kernels = gemm.linear, []
+    kernels: list[str] = []
 
-    def avx2(x: torch.Tensor, weight, gated: bool = False, kernel: str | None = None) -> torch.Tensor:  # type: ignore[no-untyped-def]
-        kernels.append("avx2")
-        return real(x, weight, gated, kernel="avx2")
+    def on_avx2(weight):  # type: ignore[no-untyped-def]
+        bound = gemm.Bound(weight, "avx2")
 
-    monkeypatch.setattr(gemm, "linear", avx2)
+        def call(x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+            kernels.append("avx2")
+            return bound(x, gated)
+        return call
+
+    grouped = [lin for layer in engine.runner.model.layers for lin in (getattr(layer, name) for name in int8.PROJECTIONS)
+               if isinstance(lin, int8.GroupedInt8Linear)]
+    for lin in grouped:
+        lin._linear = on_avx2(lin.weight)  # what the layer bound at load, now the AVX2 kernel
     _, through_avx2 = prompt_logits(engine, ids, use_prefix_cache=False)
-    assert len(kernels) == 28 * len(int8.PROJECTIONS)  # 30 layers, the first and last in float32
+    assert len(kernels) == len(grouped) == 28 * len(int8.PROJECTIONS)  # 30 layers, the first and last in float32
     assert torch.equal(through_avx2, vnni)
