@@ -97,6 +97,30 @@ def test_greedy_tokens_do_not_depend_on_batching_caching_or_preemption(real_engi
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+def test_a_burst_beyond_the_slots_ages_into_them_without_evictions(real_engine: LLMEngine) -> None:
+    """16 requests of one priority into 4 sequence slots, waiting ones aging every 2 steps: they take the slots
+    that free up and push no running request out, and the tokens are the unconstrained engine's."""
+    engine = real_engine
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = make_prompts(engine)
+    engine.reset_prefix_cache()
+    free = generate_all(engine, prompts, params)
+    config = engine.config
+    slots, aging = config.max_num_seqs, config.aging_steps
+    config.max_num_seqs, config.aging_steps = 4, 2
+    try:
+        engine.reset_prefix_cache()
+        before = engine.scheduler.num_preemptions
+        squeezed = generate_all(engine, prompts, params)
+        assert engine.scheduler.num_preemptions == before
+    finally:
+        config.max_num_seqs, config.aging_steps = slots, aging
+    for p, ref, got in zip(prompts, free, squeezed):
+        check_same_or_near_tie(engine, p, ref, got)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_steps_stopped_for_urgent_arrivals_change_no_token(real_engine: LLMEngine) -> None:
     """On SmolLM2: low-priority requests whose steps are stopped twice for urgent newcomers (mid
     prefill, then later) produce the tokens of an undisturbed run (or differ at near-ties, as the
