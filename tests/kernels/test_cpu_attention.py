@@ -66,7 +66,10 @@ def test_specialised_head_dims_match_the_generic_kernel(hq, hkv, d, dtype, monke
     fixed = cpu_attention.paged_decode_attention(*args)
     monkeypatch.setattr(cpu_attention, "SPECIALISED_HEAD_DIMS", ())
     generic = cpu_attention.paged_decode_attention(*args)
-    torch.testing.assert_close(fixed.float(), generic.float(), atol=1e-5, rtol=1e-5)
+    # The two sum in different orders: float32 results within ~1e-6, which a bfloat16 output may round one ulp
+    # apart (2^-7 relative; seen compiled for Haswell, in the AVX2 rehearsal).
+    rtol = 2.0 ** -7 if case.q.dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(fixed.float(), generic.float(), atol=1e-5, rtol=rtol)
 
 
 def test_exp_is_within_two_ulp_of_numpy_and_clamps_below_minus_87():
