@@ -33,6 +33,7 @@ from apiary.kernels.errors import KernelError
 
 if TYPE_CHECKING:
     from apiary.kernels.cpu_int8_gemm import GroupedWeight
+    from apiary.kernels.cpu_int8_layers import Int8Stack
     from apiary.kernels.cpu_layers import CpuStep
 
 BACKENDS = ("auto", "torch", "triton")
@@ -465,6 +466,26 @@ def bind_grouped_int8(weight: GroupedWeight) -> Callable[..., torch.Tensor]:
     """``grouped_int8_linear`` for this one weight, called as ``f(x, gated=False)``: the kernel chosen once,
     for a layer that calls it every step."""
     return _cpu_int8_gemm().Bound(weight)
+
+
+def int8_stackable(weights: dict[str, object], biases: dict[str, object]) -> str | None:
+    """Why a decoder layer's projections (``qkv``, ``o_proj``, ``gate_up``, ``down`` -> weight, -> bias) cannot
+    join a run of int8 layers at decode (``apiary.kernels.cpu_int8_layers``), or None."""
+    if not numba_available():
+        return "numba is not installed"
+    from apiary.kernels import cpu_int8_layers
+
+    return cpu_int8_layers.stackable(weights, biases)
+
+
+def stack_int8_layers(first: int, layers: list[dict[str, GroupedWeight]], input_norms: list[torch.Tensor],
+                      post_norms: list[torch.Tensor], kernel: str | None = None) -> Int8Stack:
+    """Consecutive decoder layers from ``first`` (each ``int8_stackable``) stacked for ``CpuStep.int8_layers``, the
+    step's decode rows through all of them in one compiled call; ``kernel``: the grouped GEMM's (default: the
+    best here). The layers then hold ``Int8Stack.views()``, so the weights are held once."""
+    from apiary.kernels import cpu_int8_layers
+
+    return cpu_int8_layers.stack(first, layers, input_norms, post_norms, kernel)
 
 
 def grouped_int8_reference(x: torch.Tensor, weight: GroupedWeight) -> torch.Tensor:

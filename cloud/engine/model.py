@@ -24,6 +24,7 @@ from apiary.cloud.engine.linear import Linear
 from apiary.kernels import ops
 
 if TYPE_CHECKING:
+    from apiary.kernels.cpu_int8_layers import Int8Stack
     from apiary.kernels.cpu_layers import CpuStep
 
 
@@ -176,6 +177,42 @@ class LlamaModel:
         self.cos_sin = rope_cos_sin_cache(config, max_positions, device)
         c = config
         self.qkv_split = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+        self.int8_stack: Int8Stack | None = None  # stack_int8_layers: decode steps' run of int8 layers
+
+    def stack_int8_layers(self, kernel: str | None = None) -> str:
+        """Stack the longest run of consecutive int8 layers that ``ops.int8_stackable`` accepts, for decode steps
+        to run in one compiled call (``CpuStep.int8_layers``); the layers then hold views of the stack. Returns
+        what it did, for the engine's log. ``kernel``: the grouped GEMM's (default: the best here)."""
+        from apiary.cloud.engine.int8 import PROJECTIONS
+
+        def why_not(layer: DecoderLayer) -> str | None:
+            lins = [getattr(layer, name) for name in PROJECTIONS]
+            if not all(isinstance(lin, GroupedInt8Linear) for lin in lins):
+                return "not all projections are grouped int8"
+            return ops.int8_stackable({n: lin.weight for n, lin in zip(PROJECTIONS, lins)},
+                                      {n: lin.bias for n, lin in zip(PROJECTIONS, lins)})
+
+        self.int8_stack = None
+        if self.device.type != "cpu":
+            return "no run of int8 layers (not on the CPU)"
+        reasons = [why_not(layer) for layer in self.layers]
+        best, start = (0, 0), None
+        for i, reason in enumerate([*reasons, "end"]):
+            if reason is None and start is None:
+                start = i
+            elif reason is not None and start is not None:
+                best, start = max(best, (i - start, -start)), None
+        count, first = best[0], -best[1]
+        if not count:
+            return f"no run of int8 layers ({next((r for r in reasons if r), 'no layers')})"
+        layers = self.layers[first:first + count]
+        self.int8_stack = ops.stack_int8_layers(
+            first, [{n: getattr(layer, n).weight for n in PROJECTIONS} for layer in layers],
+            [layer.input_norm for layer in layers], [layer.post_norm for layer in layers], kernel)
+        for layer, views in zip(layers, self.int8_stack.views()):
+            for name, weight in views.items():
+                setattr(layer, name, GroupedInt8Linear(weight))
+        return f"decode steps run layers {first}-{first + count - 1} in one compiled call ({self.int8_stack.kernel})"
 
     def _attention(self, q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata,
                    step: CpuStep | None = None) -> torch.Tensor:
@@ -199,16 +236,26 @@ class LlamaModel:
         """Final-normed hidden states ``[T, hidden]`` of the new tokens; their K/V land in ``kv_caches``.
 
         ``should_stop`` is asked before every layer after the first; if it says yes, the pass raises
-        ``StepInterrupted`` (the K/V already written are rewritten when the tokens run again).
+        ``StepInterrupted`` (the K/V already written are rewritten when the tokens run again). A decode step's
+        run of int8 layers (``stack_int8_layers``) is one call, not asked inside: it takes milliseconds.
         """
         c = self.config
         t = input_ids.shape[0]
         x = F.embedding(input_ids, self.embed)
         residual: torch.Tensor | None = None
         step = self._cpu_step(t, positions, meta, kv_caches)
-        for layer, kv in zip(self.layers, kv_caches):
+        stack = self._stack_for(step, meta, t, kv_caches)
+        skip_to = 0
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+            if i < skip_to:
+                continue
             if residual is not None and should_stop is not None and should_stop():
                 raise StepInterrupted
+            if stack is not None and step is not None and kv.pool is not None and i == stack.first:
+                # the run of int8 layers in one call: a decode step takes milliseconds, not worth interrupting
+                x, residual = step.int8_layers(x, residual, stack, kv.pool)
+                skip_to = i + stack.count
+                continue
             if step is not None:  # the same layer on CPU, its small ops checked once per pass (CpuStep)
                 h, residual = step.rms_norm(x, layer.input_norm, residual)
                 q = step.rotary_write_kv(layer.qkv(h), kv.k, kv.v, kv.k_scale, kv.v_scale)
@@ -230,6 +277,16 @@ class LlamaModel:
             x = swiglu_down(layer.down, layer.gate_up(h))
         out, _ = ops.rms_norm(x, self.norm, c.rms_norm_eps, residual)
         return out
+
+    def _stack_for(self, step: CpuStep | None, meta: AttentionMetadata, t: int,
+                   kv_caches: list[LayerKV]) -> Int8Stack | None:
+        """The run of int8 layers where this pass can take it: a CPU step of decode rows only over a float pool
+        (int8 caches and prompt chunks take the per-layer path)."""
+        stack = self.int8_stack
+        if stack is None or step is None or meta.num_decode_tokens != t or not t:
+            return None
+        kv = kv_caches[stack.first]
+        return stack if kv.pool is not None and kv.k_scale is None and kv.k.dtype == self.dtype else None
 
     def _cpu_step(self, t: int, positions: torch.Tensor, meta: AttentionMetadata,
                   kv_caches: list[LayerKV]) -> CpuStep | None:

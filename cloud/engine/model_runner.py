@@ -109,6 +109,10 @@ class ModelRunner:
         positions, meta, _ = paged_layout(np.zeros(2, dtype=np.int64), np.ones(2, dtype=np.int64), [[0], [0]],
                                           self.block_size, 1, self.device)
         self.model.forward(torch.zeros(2, dtype=torch.int64, device=self.device), positions, meta, self.kv_caches)
+        if self.model.int8_stack is not None:  # decode rows only: the run of int8 layers, compiled here (~3 s)
+            positions, meta, _ = paged_layout(np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.int64), [[0]],
+                                              self.block_size, 1, self.device)
+            self.model.forward(torch.zeros(1, dtype=torch.int64, device=self.device), positions, meta, self.kv_caches)
         n = min(WARM_UP_PROMPT, self.num_blocks * self.block_size, self.max_model_len)
         blocks = list(range(-(-n // self.block_size)))
         positions, meta, _ = paged_layout(np.zeros(1, dtype=np.int64), np.array([n], dtype=np.int64), [blocks],
@@ -125,12 +129,13 @@ class ModelRunner:
         prompts = [tokenizer.encode(p) for p in int8.CALIBRATION_PROMPTS]
         stats = int8.calibrate(self.model, prompts, config.block_size)
         int8.quantize_model(self.model, stats)
+        stacked = self.model.stack_int8_layers()
         choice = int8.gemm_choice()
         kept = sorted(int8.dtype_layers(len(self.model.layers)))
         log.info("int8 weights (W8A8, SmoothQuant alpha %.2f over %d calibration tokens, %s GEMM, %d-bit weights; "
-                 "decoder layers %s stay in %s; probe: %s) in %.1f s", int8.DEFAULT_ALPHA, sum(map(len, prompts)),
+                 "decoder layers %s stay in %s; probe: %s; %s) in %.1f s", int8.DEFAULT_ALPHA, sum(map(len, prompts)),
                  choice.backend, choice.weight_bits, kept or "none", str(self.dtype).removeprefix("torch."),
-                 choice.reason, time.perf_counter() - start)
+                 choice.reason, stacked, time.perf_counter() - start)
 
     def _default_kv_bytes(self) -> int:
         if self.device.type == "cuda":

@@ -1,0 +1,138 @@
+"""A run of int8 layers in one compiled call against the per-layer calls it replaces, and what a stack refuses."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from apiary.kernels import ops, reference
+from apiary.kernels.errors import KernelError
+
+gemm = pytest.importorskip("apiary.kernels.cpu_int8_gemm")
+layers_mod = pytest.importorskip("apiary.kernels.cpu_int8_layers")
+if not gemm.runnable():
+    pytest.skip("the grouped int8 GEMM does not run on this CPU (neither AVX-512 VNNI nor AVX2)", allow_module_level=True)
+
+HIDDEN, HQ, HKV, INTER, BLOCK = 256, 4, 2, 384, 8
+
+
+def _layer(g: torch.Generator, head_dim: int) -> dict:
+    qkv_out = (HQ + 2 * HKV) * head_dim
+    shapes = {"qkv": (qkv_out, HIDDEN), "o_proj": (HIDDEN, HQ * head_dim), "gate_up": (2 * INTER, HIDDEN),
+              "down": (HIDDEN, INTER)}
+    return {name: gemm.quantize_weight(torch.randn(shape, generator=g) / shape[1] ** 0.5)
+            for name, shape in shapes.items()}
+
+
+def _setup(dtype: torch.dtype, head_dim: int, count: int = 3, rows: int = 5, seed: int = 0):
+    """``count`` random int8 layers, their norms, a pool of ``count + 2`` layers (the run starts at layer 1) with
+    ``rows`` sequences' contexts in it, and the step decoding one token for each."""
+    g = torch.Generator().manual_seed(seed)
+    layers = [_layer(g, head_dim) for _ in range(count)]
+    norms = [[(torch.rand(HIDDEN, generator=g) + 0.5).to(dtype) for _ in range(count)] for _ in range(2)]
+    num_blocks = 40
+    pool = torch.randn(count + 2, 2, num_blocks, BLOCK, HKV, head_dim, generator=g).to(dtype)
+    blocks = torch.randperm(num_blocks, generator=g)
+    lens = torch.tensor([3, 17, 9, 31, 1][:rows], dtype=torch.int32)
+    tables = blocks[: rows * 4].view(rows, 4).to(torch.int32)  # up to 32 tokens each
+    positions = lens.long() - 1  # each row decodes the last token of its context
+    slots = tables.long().gather(1, (positions // BLOCK)[:, None])[:, 0] * BLOCK + positions % BLOCK
+    table = reference.rotary_cos_sin_cache(64, head_dim, 10000.0)
+    step = ops.cpu_step(rows, HIDDEN, HQ, HKV, head_dim, dtype, 1e-5, positions, slots, table, pool[1, 0], pool[1, 1],
+                        rows, tables, lens, head_dim ** -0.5)
+    x = torch.randn(rows, HIDDEN, generator=g).to(dtype)
+    residual = torch.randn(rows, HIDDEN, generator=g).to(dtype)
+    return layers, norms, pool, step, x, residual
+
+
+def _per_layer(step, layers, norms, pool, x, residual, kernel, first=1):
+    """What ``LlamaModel.forward``'s CPU path computes layer by layer."""
+    views = [(pool[first + i, 0], pool[first + i, 1]) for i in range(len(layers))]  # kept alive: CpuStep keys by id
+    for layer, in_norm, post_norm, (k, v) in zip(layers, *norms, views):
+        h, residual = step.rms_norm(x, in_norm, residual)
+        q = step.rotary_write_kv(gemm.Bound(layer["qkv"], kernel)(h), k, v)
+        attn = step.decode_attention(q, k, v)
+        h, residual = step.rms_norm(gemm.Bound(layer["o_proj"], kernel)(attn.reshape(x.shape[0], -1)), post_norm,
+                                    residual)
+        x = gemm.Bound(layer["down"], kernel)(gemm.Bound(layer["gate_up"], kernel)(h), True)
+    return x, residual
+
+
+# (activations, head dim: 64 has its own attention kernel, 32 takes the generic one, GEMM kernel); each compiles
+# a run of its own (~3 s), so the other kernel (AVX2 on a VNNI host) once
+CASES = [(torch.bfloat16, 64, gemm.isa()), (torch.float32, 64, gemm.isa()), (torch.bfloat16, 32, gemm.isa())] + [
+    (torch.bfloat16, 64, kernel) for kernel in gemm.runnable()[1:]]
+
+
+@pytest.mark.parametrize(("dtype", "head_dim", "kernel"), CASES, ids=lambda v: str(v).removeprefix("torch."))
+def test_a_run_is_the_per_layer_calls_bit_for_bit(dtype, head_dim, kernel):
+    """Hidden rows, residual stream and every K/V row written: the per-layer path's exactly (same kernels, same
+    order, the query widened and the attention rounded as the torch ops do)."""
+    layers, norms, pool, step, x, residual = _setup(dtype, head_dim)
+    want_pool = pool.clone()
+    want_x, want_residual = _per_layer(step, layers, norms, want_pool, x, residual, kernel)
+    stack = ops.stack_int8_layers(1, layers, *norms, kernel=kernel)
+    got_x, got_residual = step.int8_layers(x, residual, stack, pool)
+    assert got_x.dtype == dtype and torch.equal(got_x, want_x)
+    assert torch.equal(got_residual, want_residual)
+    assert torch.equal(pool, want_pool)
+    assert not torch.equal(pool, _setup(dtype, head_dim)[2])  # the K/V rows were written
+
+
+def test_a_run_from_the_first_layer_starts_the_residual_stream():
+    """No residual yet (a model whose every layer is int8): the first norm takes the rows as they are."""
+    layers, norms, pool, step, x, _ = _setup(torch.bfloat16, 64)
+    want_pool = pool.clone()
+    want = _per_layer(step, layers, norms, want_pool, x, None, gemm.isa(), first=0)
+    got = step.int8_layers(x, None, ops.stack_int8_layers(0, layers, *norms), pool)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and torch.equal(pool, want_pool)
+
+
+def test_the_layers_hold_views_of_the_stack():
+    layers, norms, *_ = _setup(torch.bfloat16, 64)
+    stack = ops.stack_int8_layers(1, layers, *norms)
+    views = stack.views()
+    assert (stack.first, stack.count, len(views)) == (1, 3, 3)
+    for i, (view, layer) in enumerate(zip(views, layers)):
+        for name, weight in view.items():
+            assert np.shares_memory(weight.packed, stack.packed[layers_mod.PROJECTIONS.index(name)])
+            assert (weight.out_features, weight.in_features) == (layer[name].out_features, layer[name].in_features)
+            assert np.array_equal(weight.packed, layer[name].packed) and np.array_equal(weight.scales, layer[name].scales)
+    x = torch.randn(3, HIDDEN).to(torch.bfloat16)
+    assert torch.equal(gemm.linear(x, views[2]["qkv"]), gemm.linear(x, layers[2]["qkv"]))
+
+
+def test_what_cannot_join_a_stack_is_named():
+    layers, norms, *_ = _setup(torch.float32, 64, count=2)
+    assert ops.int8_stackable(layers[0], {}) is None
+    assert ops.int8_stackable(layers[0], {"qkv": torch.zeros(1)}) == "qkv has a bias"
+    assert ops.int8_stackable({**layers[0], "down": torch.zeros(2, 2)}, {}) == "down is not a grouped int8 weight"
+    odd = gemm.quantize_weight(torch.randn(HIDDEN - 8, INTER))
+    assert "not whole tiles of 16" in ops.int8_stackable({**layers[0], "down": odd}, {})
+    with pytest.raises(KernelError, match="layer 2: down has 248 outputs"):
+        ops.stack_int8_layers(1, [layers[0], {**layers[1], "down": odd}], *norms)
+    with pytest.raises(KernelError, match="o_proj weights differ"):
+        ops.stack_int8_layers(1, [layers[0], {**layers[1], "o_proj": gemm.quantize_weight(torch.randn(HIDDEN, 512))}],
+                              *norms)
+    with pytest.raises(KernelError, match="norms must be"):
+        ops.stack_int8_layers(1, layers, norms[0], [torch.ones(HIDDEN + 1)] * 2)
+    with pytest.raises(KernelError, match="kernel 'amx' does not run here"):
+        ops.stack_int8_layers(1, layers, *norms, kernel="amx")
+
+
+def test_a_run_refuses_a_step_it_cannot_serve():
+    """Prompt rows, or a pool that is not the layers' one array: a clear error, nothing written."""
+    layers, norms, pool, step, x, residual = _setup(torch.bfloat16, 64)
+    stack = ops.stack_int8_layers(1, layers, *norms)
+    before = pool.clone()
+    with pytest.raises(KernelError, match="contiguous"):
+        step.int8_layers(x, residual, stack, pool[:, 0])
+    with pytest.raises(KernelError, match="contiguous"):
+        step.int8_layers(x, residual, stack, pool.float())
+    g = torch.Generator().manual_seed(3)
+    prompt = ops.cpu_step(6, HIDDEN, HQ, HKV, 64, torch.bfloat16, 1e-5, torch.arange(6), torch.arange(6),
+                          reference.rotary_cos_sin_cache(64, 64, 10000.0), pool[1, 0], pool[1, 1], 0,
+                          torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), 0.125)
+    with pytest.raises(KernelError, match="decode rows only"):
+        prompt.int8_layers(torch.randn(6, HIDDEN, generator=g).to(torch.bfloat16), None, stack, pool)
+    assert torch.equal(pool, before)
