@@ -33,7 +33,8 @@ from numba import njit
 from apiary.kernels import cpu_attention, cpu_int8_gemm
 from apiary.kernels.cpu_attention import _as_f32
 from apiary.kernels.cpu_int8_gemm import TILE, GroupedWeight
-from apiary.kernels.cpu_layers import _np, _rms_norm, _rotary_write_kv, _store
+from apiary.kernels.cpu_layers import (PARALLEL_ROWS, _np, _rms_norm, _rms_norm_rows, _rotary_write_kv,
+                                       _rotary_write_kv_rows, _store)
 from apiary.kernels.errors import KernelError
 
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")  # a layer's projections, in the order they run
@@ -117,11 +118,13 @@ def _layers_of(kernel: str, fixed_head_dim: int):  # type: ignore[no-untyped-def
     @njit(nogil=True, boundscheck=False)
     def layers(x, residual, has_residual, pool, first, input_norms, post_norms, qkv_w, qkv_s, o_w, o_s, gu_w, gu_s,
                down_w, down_s, num_heads, positions, cos_sin, slots, tables, lens, scale, window, eps,
-               no_scales):  # type: ignore[no-untyped-def]
+               no_scales, yes, no):  # type: ignore[no-untyped-def]
         """``(x, residual)`` after the stack's layers, from the hidden rows ``x [T, H]`` and the residual stream
         (``has_residual`` False: none yet, as before a model's first layer). Each layer is ``LlamaModel.forward``'s
         CPU path: norm, qkv, rotary and the KV write into ``pool[first + l]``, decode attention, o_proj, norm,
-        gate/up, down."""
+        gate/up, down. ``yes``/``no``: True and False as run-time values, for the kernels' flags: a constant is
+        typed as a literal and compiles the kernels again, specialised, where the per-layer path calls the ones
+        compiled for run-time flags, and LLVM may vectorise the two apart (seen once: a float32 run an ulp off)."""
         t = x.shape[0]
         num_kv_heads, head_dim = pool.shape[4], pool.shape[5]
         normed = np.empty_like(x)
@@ -136,35 +139,48 @@ def _layers_of(kernel: str, fixed_head_dim: int):  # type: ignore[no-untyped-def
         out = np.empty((t, down_w.shape[1] * TILE), x.dtype)
         hidden, res = x, residual
         turn = 0
+        wide = t >= PARALLEL_ROWS  # the row-parallel norm and rotary, as ``CpuStep`` takes them
         for layer in range(input_norms.shape[0]):
             k_cache, v_cache = pool[first + layer, 0], pool[first + layer, 1]
             if has_residual or layer > 0:
                 # the sum goes to the buffer the residual is not in (``CpuStep.rms_norm``: aliasing changes rounding)
                 target = sum_a if turn == 0 else sum_b
-                _rms_norm(hidden, res, True, input_norms[layer], eps, normed, target)
+                if wide:
+                    _rms_norm_rows(hidden, res, yes, input_norms[layer], eps, normed, target)
+                else:
+                    _rms_norm(hidden, res, yes, input_norms[layer], eps, normed, target)
                 res, turn = target, 1 - turn
             else:
-                _rms_norm(hidden, hidden, False, input_norms[layer], eps, normed, normed)
+                if wide:
+                    _rms_norm_rows(hidden, hidden, no, input_norms[layer], eps, normed, normed)
+                else:
+                    _rms_norm(hidden, hidden, no, input_norms[layer], eps, normed, normed)
                 res = hidden
-            gemm(normed, qkv_w[layer], qkv_s[layer], qkv, False)
-            _rotary_write_kv(qkv, num_heads, num_kv_heads, positions, cos_sin, q,
-                             k_cache.reshape((-1, num_kv_heads, head_dim)),
-                             v_cache.reshape((-1, num_kv_heads, head_dim)), slots)
+            gemm(normed, qkv_w[layer], qkv_s[layer], qkv, no)
+            k_rows, v_rows = (k_cache.reshape((-1, num_kv_heads, head_dim)),
+                              v_cache.reshape((-1, num_kv_heads, head_dim)))
+            if wide:
+                _rotary_write_kv_rows(qkv, num_heads, num_kv_heads, positions, cos_sin, q, k_rows, v_rows, slots)
+            else:
+                _rotary_write_kv(qkv, num_heads, num_kv_heads, positions, cos_sin, q, k_rows, v_rows, slots)
             for i in range(t):
                 for h in range(num_heads):
                     for d in range(head_dim):
                         q32[i, h, d] = _as_f32(q[i, h, d])
-            attend(q32, k_cache, v_cache, no_scales, no_scales, False, tables, lens, scale, window, attn32)
+            attend(q32, k_cache, v_cache, no_scales, no_scales, no, tables, lens, scale, window, attn32)
             for i in range(t):
                 for h in range(num_heads):
                     for d in range(head_dim):
                         attn[i, h * head_dim + d] = _store(attn, attn32[i, h, d])
-            gemm(attn, o_w[layer], o_s[layer], o, False)
+            gemm(attn, o_w[layer], o_s[layer], o, no)
             target = sum_a if turn == 0 else sum_b
-            _rms_norm(o, res, True, post_norms[layer], eps, normed, target)
+            if wide:
+                _rms_norm_rows(o, res, yes, post_norms[layer], eps, normed, target)
+            else:
+                _rms_norm(o, res, yes, post_norms[layer], eps, normed, target)
             res, turn = target, 1 - turn
-            gemm(normed, gu_w[layer], gu_s[layer], gate_up, False)
-            gemm(gate_up, down_w[layer], down_s[layer], out, True)
+            gemm(normed, gu_w[layer], gu_s[layer], gate_up, no)
+            gemm(gate_up, down_w[layer], down_s[layer], out, yes)
             hidden = out
         return hidden, res
 
@@ -185,5 +201,5 @@ def run(stack: Int8Stack, x: np.ndarray, residual: np.ndarray | None, pool: np.n
     (qkv_w, o_w, gu_w, down_w), (qkv_s, o_s, gu_s, down_s) = stack.packed, stack.scales
     return compiled(x, x if residual is None else residual, residual is not None, pool, stack.first, stack.input_norms,
                     stack.post_norms, qkv_w, qkv_s, o_w, o_s, gu_w, gu_s, down_w, down_s, num_heads, positions, cos_sin,
-                    slots, tables, lens, scale, window, eps, _NO_SCALES)
+                    slots, tables, lens, scale, window, eps, _NO_SCALES, True, False)
 

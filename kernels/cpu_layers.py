@@ -9,8 +9,9 @@ call and one pass over its rows (the step: 65.1 ms; docs/kernels.md).
 Results are the torch references' (``apiary.kernels.reference``) up to float32 summation order: sums
 and products in float32, rounded to the tensor's dtype where the reference rounds (bf16: round to
 nearest even, as torch's cast). float32 and bfloat16 tensors are served (bf16 as its int16 bits).
-The kernels are serial: at decode sizes a parallel region's fork and join cost more than the work,
-and prefill steps are dominated by their matmuls.
+The kernels are serial: at decode sizes a parallel region's fork and join cost more than the work.
+A ``CpuStep`` of ``PARALLEL_ROWS`` or more rows (a prompt chunk) takes the RMSNorm's and rotary's
+row-parallel twins, each row the same loop and so the same numbers.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import numba
 import numpy as np
 import torch
 from llvmlite import ir
-from numba import njit, types
+from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 from apiary.kernels.cpu_attention import _as_f32
@@ -31,6 +32,10 @@ if TYPE_CHECKING:
     from apiary.kernels.cpu_int8_layers import Int8Stack
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+# Rows from which a step's RMSNorm and rotary spread over numba's threads: a prompt chunk's hundreds of rows
+# (a 380-row RMSNorm ~0.1 ms, rotary with the KV write ~0.36 ms serial); a decode step's few rows stay on one
+# thread, where a parallel region's hand-off costs about what the work does.
+PARALLEL_ROWS = 64
 # Reassociation lets the sum of squares vectorize: a serial float32 sum over a 576-wide row is a chain of
 # dependent adds (~1.3 ns per element measured, 24 us for 32 rows); torch's own sum is not serial either.
 FASTMATH = {"nnan", "ninf", "nsz", "contract", "reassoc"}
@@ -63,24 +68,38 @@ def _store_impl(out, value):  # type: ignore[no-untyped-def]
     return lambda out, value: np.float32(value)
 
 
+@njit(inline="always", fastmath=FASTMATH, boundscheck=False)
+def _norm_row(x, residual, has_residual, weight, eps, out, summed, t, row):  # type: ignore[no-untyped-def]
+    """Row ``t`` of ``_rms_norm`` (``row``: n float32 of scratch)."""
+    n = x.shape[1]
+    squares = np.float32(0.0)
+    for j in range(n):
+        v = _as_f32(x[t, j])
+        if has_residual:
+            bits = _store(summed, v + _as_f32(residual[t, j]))
+            summed[t, j] = bits
+            v = _as_f32(bits)
+        row[j] = v
+        squares += v * v
+    inv = np.float32(1.0) / np.sqrt(squares / np.float32(n) + eps)
+    for j in range(n):
+        out[t, j] = _store(out, row[j] * inv * _as_f32(weight[j]))
+
+
 @njit(fastmath=FASTMATH, cache=True, boundscheck=False, nogil=True)
 def _rms_norm(x, residual, has_residual, weight, eps, out, summed):  # type: ignore[no-untyped-def]
     """``x``/``residual`` ``[T, H]``; with ``has_residual`` the rounded sum goes to ``summed`` and is normed."""
-    n = x.shape[1]
-    row = np.empty(n, np.float32)
+    row = np.empty(x.shape[1], np.float32)
     for t in range(x.shape[0]):
-        squares = np.float32(0.0)
-        for j in range(n):
-            v = _as_f32(x[t, j])
-            if has_residual:
-                bits = _store(summed, v + _as_f32(residual[t, j]))
-                summed[t, j] = bits
-                v = _as_f32(bits)
-            row[j] = v
-            squares += v * v
-        inv = np.float32(1.0) / np.sqrt(squares / np.float32(n) + eps)
-        for j in range(n):
-            out[t, j] = _store(out, row[j] * inv * _as_f32(weight[j]))
+        _norm_row(x, residual, has_residual, weight, eps, out, summed, t, row)
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True, boundscheck=False, nogil=True)
+def _rms_norm_rows(x, residual, has_residual, weight, eps, out, summed):  # type: ignore[no-untyped-def]
+    """``_rms_norm`` with its rows spread over numba's threads (a prompt chunk's hundreds of rows), the same
+    numbers: each row is the same loop."""
+    for t in prange(x.shape[0]):
+        _norm_row(x, residual, has_residual, weight, eps, out, summed, t, np.empty(x.shape[1], np.float32))
 
 
 @njit(fastmath=FASTMATH, cache=True, boundscheck=False, nogil=True)
@@ -169,27 +188,21 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 # ---------------------------------------------------------------- a forward pass's kernels, checked once
 
 
-@njit(fastmath=FASTMATH, cache=True, boundscheck=False, nogil=True)
-def _rotary_write_kv(qkv, num_heads, num_kv_heads, positions, cos_sin, q_out, k_rows, v_rows,
-                     slots):  # type: ignore[no-untyped-def]
-    """The q/k/v projection's rows ``qkv [T, (Hq + 2 Hkv) * D]``: rotate-half RoPE of the query heads into
-    ``q_out [T, Hq, D]``; the rotated key heads and the value heads into rows ``[S, Hkv, D]`` of ``qkv``'s dtype at
-    ``slots[T]`` (< 0 skipped): a float cache's rows at the step's slots, or a step buffer at 0..T-1 that the
-    int8 write quantizes. What ``_rotate`` on q and k, then ``_write_kv``, compute, in one pass."""
+@njit(inline="always", fastmath=FASTMATH, boundscheck=False)
+def _rotary_row(qkv, num_heads, num_kv_heads, positions, cos_sin, q_out, k_rows, v_rows, slots, t):  # type: ignore[no-untyped-def]
+    """Row ``t`` of ``_rotary_write_kv``."""
     dim = q_out.shape[2]
     half = dim // 2
-    for t in range(qkv.shape[0]):
-        p = positions[t]
-        for h in range(num_heads):
-            base = h * dim
-            for j in range(half):
-                c, s = cos_sin[p, j], cos_sin[p, half + j]
-                a, b = _as_f32(qkv[t, base + j]), _as_f32(qkv[t, base + half + j])
-                q_out[t, h, j] = _store(q_out, a * c - b * s)
-                q_out[t, h, half + j] = _store(q_out, b * c + a * s)
-        slot = slots[t]
-        if slot < 0:
-            continue
+    p = positions[t]
+    for h in range(num_heads):
+        base = h * dim
+        for j in range(half):
+            c, s = cos_sin[p, j], cos_sin[p, half + j]
+            a, b = _as_f32(qkv[t, base + j]), _as_f32(qkv[t, base + half + j])
+            q_out[t, h, j] = _store(q_out, a * c - b * s)
+            q_out[t, h, half + j] = _store(q_out, b * c + a * s)
+    slot = slots[t]
+    if slot >= 0:
         for h in range(num_kv_heads):
             base = (num_heads + h) * dim
             for j in range(half):
@@ -200,6 +213,26 @@ def _rotary_write_kv(qkv, num_heads, num_kv_heads, positions, cos_sin, q_out, k_
             base = (num_heads + num_kv_heads + h) * dim
             for j in range(dim):
                 v_rows[slot, h, j] = qkv[t, base + j]
+
+
+@njit(fastmath=FASTMATH, cache=True, boundscheck=False, nogil=True)
+def _rotary_write_kv(qkv, num_heads, num_kv_heads, positions, cos_sin, q_out, k_rows, v_rows,
+                     slots):  # type: ignore[no-untyped-def]
+    """The q/k/v projection's rows ``qkv [T, (Hq + 2 Hkv) * D]``: rotate-half RoPE of the query heads into
+    ``q_out [T, Hq, D]``; the rotated key heads and the value heads into rows ``[S, Hkv, D]`` of ``qkv``'s dtype at
+    ``slots[T]`` (< 0 skipped): a float cache's rows at the step's slots, or a step buffer at 0..T-1 that the
+    int8 write quantizes. What ``_rotate`` on q and k, then ``_write_kv``, compute, in one pass."""
+    for t in range(qkv.shape[0]):
+        _rotary_row(qkv, num_heads, num_kv_heads, positions, cos_sin, q_out, k_rows, v_rows, slots, t)
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True, boundscheck=False, nogil=True)
+def _rotary_write_kv_rows(qkv, num_heads, num_kv_heads, positions, cos_sin, q_out, k_rows, v_rows,
+                          slots):  # type: ignore[no-untyped-def]
+    """``_rotary_write_kv`` with its rows spread over numba's threads (a step's slots are distinct, so no two
+    rows write the same cache row)."""
+    for t in prange(qkv.shape[0]):
+        _rotary_row(qkv, num_heads, num_kv_heads, positions, cos_sin, q_out, k_rows, v_rows, slots, t)
 
 
 class CpuStep:
@@ -220,11 +253,12 @@ class CpuStep:
     """
 
     __slots__ = ("num_heads", "num_kv_heads", "head_dim", "eps", "positions", "cos_sin", "slots", "normed",
-                 "_normed", "_sums", "q", "_q", "_kv", "_decode", "_np_of")
+                 "_normed", "_sums", "q", "_q", "_kv", "_decode", "_prefill", "_attn", "_np_of")
 
     def __init__(self, tokens: int, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  eps: float, positions: torch.Tensor, slot_mapping: torch.Tensor, cos_sin: torch.Tensor,
-                 decode: tuple[torch.Tensor, torch.Tensor, float, int | None] | None, quantized: bool = False) -> None:
+                 decode: tuple[torch.Tensor, torch.Tensor, float, int | None] | None, quantized: bool = False,
+                 prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, int | None] | None = None) -> None:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.eps = np.float32(eps)
         self.positions = positions.to(torch.int64).contiguous().numpy()
@@ -246,6 +280,13 @@ class CpuStep:
 
             tables, lens, scale, window = decode
             self._decode = cpu_attention.Prepared(tables, lens, scale, window)
+        # the query runs after the decode rows (prompt chunks, verifications), where the numba kernels serve them
+        self._prefill = None
+        if prefill is not None:
+            from apiary.kernels import cpu_attention
+
+            self._prefill = cpu_attention.PreparedPrefill(*prefill, num_heads, head_dim)
+        self._attn = torch.empty((tokens, num_heads, head_dim), dtype=dtype)  # ``attention``'s rows, every layer
         self._np_of: dict[tuple[int, tuple[int, ...] | None], np.ndarray] = {}  # views of weights, caches, scales
         # numba's thread count is per calling thread (the async engine steps in its own thread): once per pass
         numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
@@ -267,13 +308,14 @@ class CpuStep:
         """``(rmsnorm(x + residual), x + residual)`` (without a residual: ``(rmsnorm(x), x)``). Both are the step's
         buffers: the normed rows valid until the next call, the sum until the one after (two take turns)."""
         xs = _np(x)
+        norm = _rms_norm_rows if xs.shape[0] >= PARALLEL_ROWS else _rms_norm
         if residual is None:
-            _rms_norm(xs, xs, False, self._lasting(weight), self.eps, self._normed, self._normed)
+            norm(xs, xs, False, self._lasting(weight), self.eps, self._normed, self._normed)
             return self.normed, x
         # The sum goes to the buffer the residual is not in: summing in place aliases the kernel's input and
         # output, and LLVM's vectoriser then takes the scalar loop, whose float32 sum rounds differently.
         out, out_np = self._sums[1] if residual is self._sums[0][0] else self._sums[0]
-        _rms_norm(xs, _np(residual), True, self._lasting(weight), self.eps, self._normed, out_np)
+        norm(xs, _np(residual), True, self._lasting(weight), self.eps, self._normed, out_np)
         return self.normed, out
 
     def rotary_write_kv(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -281,19 +323,41 @@ class CpuStep:
         """Rotated queries ``[T, Hq, D]`` (the step's buffer, valid until the next call); rotated keys and the
         values into the caches at the step's slots (int8 caches: quantized per token and KV head, with the
         scales ``cpu_quant.write_kv_int8`` gives)."""
+        rotate = _rotary_write_kv_rows if qkv.shape[0] >= PARALLEL_ROWS else _rotary_write_kv
         if self._kv is None:
-            _rotary_write_kv(_np(qkv), self.num_heads, self.num_kv_heads, self.positions, self.cos_sin, self._q,
+            rotate(_np(qkv), self.num_heads, self.num_kv_heads, self.positions, self.cos_sin, self._q,
                              self._rows(k_cache), self._rows(v_cache), self.slots)
             return self.q
         from apiary.kernels import cpu_quant
 
         keys, values, rows = self._kv
-        _rotary_write_kv(_np(qkv), self.num_heads, self.num_kv_heads, self.positions, self.cos_sin, self._q, keys,
+        rotate(_np(qkv), self.num_heads, self.num_kv_heads, self.positions, self.cos_sin, self._q, keys,
                          values, rows)
         cpu_quant.write_rows_int8(keys, values, self._rows(k_cache), self._rows(v_cache),
                                   self._lasting(k_scale, (-1, self.num_kv_heads)),
                                   self._lasting(v_scale, (-1, self.num_kv_heads)), self.slots)
         return self.q
+
+    @property
+    def attends_all(self) -> bool:
+        """Whether ``attention`` serves every row of the step: no query runs, or runs the numba kernels take."""
+        decodes = 0 if self._decode is None else self._decode.tables.shape[0]
+        return self._prefill is not None or decodes == self.q.shape[0]
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Every row's attention (``attends_all``): the decode rows', then the query runs' (``ops.paged_prefill_attention``),
+        written into one buffer of the step (valid until the next call), so there is no concatenation; bit for bit
+        the per-call kernels'."""
+        scales = None if k_scale is None or v_scale is None else (self._lasting(k_scale), self._lasting(v_scale))
+        keys, values = self._lasting(k_cache), self._lasting(v_cache)
+        decodes = 0
+        if self._decode is not None:
+            decodes = self._decode.tables.shape[0]
+            self._decode(q[:decodes], keys, values, scales, self._attn[:decodes])
+        if self._prefill is not None:
+            self._prefill(q[decodes:], keys, values, scales, self._attn[decodes:])
+        return self._attn
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:

@@ -377,7 +377,9 @@ def cpu_step(tokens: int, hidden: int, num_heads: int, num_kv_heads: int, head_d
              k_cache: torch.Tensor, v_cache: torch.Tensor, num_decode_tokens: int, decode_block_tables: torch.Tensor,
              decode_context_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
              decode_backend_name: str | None = None, k_scale: torch.Tensor | None = None,
-             v_scale: torch.Tensor | None = None) -> CpuStep | None:
+             v_scale: torch.Tensor | None = None, prefill_block_tables: torch.Tensor | None = None,
+             prefill_cu_seqlens_q: torch.Tensor | None = None,
+             prefill_context_lens: torch.Tensor | None = None) -> CpuStep | None:
     """A CPU forward pass's per-layer kernels checked once (``apiary.kernels.cpu_layers.CpuStep``), or None where
     they do not serve: not the ``auto`` backend, no numba, a non-CPU device, a dtype other than float32/bfloat16,
     or decode attention other than numba's (``decode_backend_name``, see ``decode_backend``). Caches hold
@@ -385,6 +387,8 @@ def cpu_step(tokens: int, hidden: int, num_heads: int, num_kv_heads: int, head_d
 
     ``k_cache``/``v_cache``: one layer's caches; the caller guarantees every layer's are alike, and that the
     tensors it hands the step's methods have ``tokens`` rows of ``dtype`` in the layout checked here.
+    ``prefill_*``: the query runs after the decode rows (``paged_prefill_attention``'s arguments); where the
+    numba kernels serve them, ``CpuStep.attention`` takes every row of the step.
     """
     if not (get_backend() == "auto" and numba_available() and dtype in NUMBA_DTYPES):
         return None
@@ -413,8 +417,23 @@ def cpu_step(tokens: int, hidden: int, num_heads: int, num_kv_heads: int, head_d
         _check_attention(torch.empty(num_decode_tokens, num_heads, head_dim, dtype=dtype), k_cache,
                          decode_block_tables, decode_context_lens, num_decode_tokens, scale, sliding_window)
         decode = (decode_block_tables, decode_context_lens, float(scale), sliding_window)
+    prefill = None
+    if prefill_cu_seqlens_q is not None and tokens > num_decode_tokens:
+        from apiary.kernels import cpu_attention  # imports numba: only once a CPU attention runs
+
+        _check_tensor("cu_seqlens_q", prefill_cu_seqlens_q, 1, int_=True)
+        runs = prefill_cu_seqlens_q.shape[0] - 1
+        _check_attention(torch.empty(tokens - num_decode_tokens, num_heads, head_dim, dtype=dtype), k_cache,
+                         prefill_block_tables, prefill_context_lens, runs, scale, sliding_window)
+        cu = prefill_cu_seqlens_q.long()
+        _check(runs >= 1 and int(cu[0]) == 0 and int(cu[-1]) == tokens - num_decode_tokens
+               and bool((cu[1:] >= cu[:-1]).all()) and bool((prefill_context_lens.long() >= cu[1:] - cu[:-1]).all()),
+               lambda: f"prefill_cu_seqlens_q must rise from 0 to the {tokens - num_decode_tokens} query-run rows, "
+                       "and context_lens count each run's new tokens")
+        if head_dim % cpu_attention.LANES == 0:
+            prefill = (prefill_block_tables, prefill_cu_seqlens_q, prefill_context_lens, float(scale), sliding_window)
     return _cpu_layers().CpuStep(tokens, hidden, num_heads, num_kv_heads, head_dim, dtype, float(eps), positions,
-                                 slot_mapping, cos_sin_cache, decode, quantized)
+                                 slot_mapping, cos_sin_cache, decode, quantized, prefill)
 
 
 def _cpu_layers_serve(*tensors: torch.Tensor) -> bool:

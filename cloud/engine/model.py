@@ -217,6 +217,8 @@ class LlamaModel:
     def _attention(self, q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata,
                    step: CpuStep | None = None) -> torch.Tensor:
         nd, window = meta.num_decode_tokens, self.config.sliding_window
+        if step is not None and step.attends_all:  # every row through the step's prepared kernels, one buffer
+            return step.attention(q, kv.k, kv.v, kv.k_scale, kv.v_scale)
         if step is not None:
             parts = [step.decode_attention(q[:nd], kv.k, kv.v, kv.k_scale, kv.v_scale)] if nd else []
         else:
@@ -298,7 +300,8 @@ class LlamaModel:
         return ops.cpu_step(t, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, self.dtype, c.rms_norm_eps,
                             positions, meta.slot_mapping, self.cos_sin, kv_caches[0].k, kv_caches[0].v,
                             meta.num_decode_tokens, meta.decode_block_tables, meta.decode_context_lens, self.scale,
-                            c.sliding_window, self.decode_backend, kv_caches[0].k_scale, kv_caches[0].v_scale)
+                            c.sliding_window, self.decode_backend, kv_caches[0].k_scale, kv_caches[0].v_scale,
+                            meta.prefill_block_tables, meta.prefill_cu_seqlens_q, meta.prefill_context_lens)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden).float()

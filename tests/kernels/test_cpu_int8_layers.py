@@ -79,6 +79,27 @@ def test_a_run_is_the_per_layer_calls_bit_for_bit(dtype, head_dim, kernel):
     assert not torch.equal(pool, _setup(dtype, head_dim)[2])  # the K/V rows were written
 
 
+def test_a_wide_decode_step_takes_the_row_parallel_norm_and_rotary_as_the_per_layer_path():
+    """From ``PARALLEL_ROWS`` decode rows (a server's 64 in flight) the step's norms and rotary spread over the
+    threads, in the run as in the per-layer calls: still bit for bit."""
+    from apiary.kernels.cpu_layers import PARALLEL_ROWS
+
+    layers, norms, pool, _, _, _ = _setup(torch.bfloat16, 64, count=2)
+    rows = PARALLEL_ROWS + 3
+    g = torch.Generator().manual_seed(4)
+    tables = torch.randperm(pool.shape[2], generator=g)[:2].repeat(rows, 1).to(torch.int32)  # a shared prefix
+    lens = torch.randint(1, 17, (rows,), generator=g, dtype=torch.int32)
+    slots = torch.randperm(pool.shape[2] * BLOCK, generator=g)[:rows]  # distinct rows to write
+    step = ops.cpu_step(rows, HIDDEN, HQ, HKV, 64, torch.bfloat16, 1e-5, lens.long() - 1, slots,
+                        reference.rotary_cos_sin_cache(64, 64, 10000.0), pool[1, 0], pool[1, 1], rows, tables, lens,
+                        0.125)
+    x, residual = (torch.randn(rows, HIDDEN, generator=g).to(torch.bfloat16) for _ in range(2))
+    want_pool = pool.clone()
+    want = _per_layer(step, layers, norms, want_pool, x, residual, gemm.isa())
+    got = step.int8_layers(x, residual, ops.stack_int8_layers(1, layers, *norms), pool)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and torch.equal(pool, want_pool)
+
+
 def test_a_run_from_the_first_layer_starts_the_residual_stream():
     """No residual yet (a model whose every layer is int8): the first norm takes the rows as they are."""
     layers, norms, pool, step, x, _ = _setup(torch.bfloat16, 64)

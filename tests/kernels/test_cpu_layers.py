@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from apiary.kernels import cpu_layers, ops, reference
+from apiary.kernels.errors import KernelError
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -157,6 +158,79 @@ def test_cpu_step_decode_attention_is_the_kernels(dtype, quantized):
     want = ops.paged_decode_attention(q, *s.caches, s.tables, s.lens, 64 ** -0.5, k_scale=s.scales[0],
                                       v_scale=s.scales[1])
     assert torch.equal(s.step.decode_attention(q, *s.caches, *s.scales), want)
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float-cache", "int8-cache"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cpu_step_attention_is_the_decode_kernel_then_the_prefill_kernels(dtype, quantized):
+    """A step of 4 decode rows, a 3-query run (``_varlen``) and a 20-query one (``_runs``): one call, one buffer,
+    the per-call kernels' rows bit for bit, and the same again for a second layer's caches."""
+    g = torch.Generator().manual_seed(5)
+    nd, runs, hq, hkv, d = 4, [3, 20], 9, 3, 64
+    t = nd + sum(runs)
+    if quantized:
+        layers = [[torch.randint(-127, 128, (12, 16, hkv, d), generator=g, dtype=torch.int8) for _ in range(2)]
+                  + [torch.rand(12, 16, hkv, generator=g) / 50 for _ in range(2)] for _ in range(2)]
+    else:
+        layers = [[torch.randn(12, 16, hkv, d, generator=g).to(dtype) for _ in range(2)] + [None, None]
+                  for _ in range(2)]
+    tables = torch.randperm(12, generator=g)[:12].view(6, 2).to(torch.int32)
+    decode_lens = torch.tensor([5, 31, 1, 17], dtype=torch.int32)
+    cu = torch.tensor([0, 3, 23], dtype=torch.int32)
+    prefill_lens = torch.tensor([9, 28], dtype=torch.int32)  # a cached prefix of 6 and of 8 tokens
+    table = reference.rotary_cos_sin_cache(64, d, 10000.0)
+    step = ops.cpu_step(t, 576, hq, hkv, d, dtype, 1e-5, torch.zeros(t, dtype=torch.long), torch.arange(t),
+                        table, *layers[0][:2], nd, tables[:nd], decode_lens, d ** -0.5, k_scale=layers[0][2],
+                        v_scale=layers[0][3], prefill_block_tables=tables[nd:], prefill_cu_seqlens_q=cu,
+                        prefill_context_lens=prefill_lens)
+    assert step.attends_all
+    for k, v, k_scale, v_scale in layers:
+        q = torch.randn(t, hq, d, generator=g).to(dtype)
+        want = torch.cat([ops.paged_decode_attention(q[:nd], k, v, tables[:nd], decode_lens, d ** -0.5,
+                                                     k_scale=k_scale, v_scale=v_scale),
+                          ops.paged_prefill_attention(q[nd:], k, v, tables[nd:], cu, prefill_lens, d ** -0.5,
+                                                      k_scale=k_scale, v_scale=v_scale)])
+        assert torch.equal(step.attention(q, k, v, k_scale, v_scale), want)
+
+
+def test_cpu_step_refuses_query_runs_that_do_not_add_up():
+    s = _step(torch.float32)
+    tables, lens = torch.zeros(1, 6, dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
+    for cu, context in ((torch.tensor([0, 2], dtype=torch.int32), lens),  # 2 rows where the step has 3
+                        (torch.tensor([0, 3], dtype=torch.int32), lens)):  # a context shorter than its run
+        with pytest.raises(KernelError, match="prefill_cu_seqlens_q"):
+            ops.cpu_step(7, 576, 9, 3, 64, torch.float32, 1e-5, s.positions, s.slots, s.table, *s.caches, 4, s.tables,
+                         s.lens, 0.125, prefill_block_tables=tables, prefill_cu_seqlens_q=cu,
+                         prefill_context_lens=context)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_prompt_steps_row_parallel_norm_and_rotary_are_the_serial_kernels(dtype):
+    """From ``PARALLEL_ROWS`` rows the step spreads RMSNorm and rotary with the KV write over the threads: the
+    serial kernels' values bit for bit (each row is the same loop), and every row's K/V in its slot."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(9)
+    t, hq, hkv, d, hidden = 3 * cpu_layers.PARALLEL_ROWS + 5, 9, 3, 64, 576
+    x, res = (torch.randn(t, hidden, generator=g) * 3).to(dtype), torch.randn(t, hidden, generator=g).to(dtype)
+    w = torch.rand(hidden, generator=g).to(dtype) + 0.5
+    as_np = cpu_layers._np
+    for has_residual in (False, True):
+        outs = [torch.empty(t, hidden, dtype=dtype) for _ in range(4)]
+        for kernel, (out, summed) in ((cpu_layers._rms_norm, outs[:2]), (cpu_layers._rms_norm_rows, outs[2:])):
+            kernel(as_np(x), as_np(res), has_residual, as_np(w), np.float32(1e-5), as_np(out), as_np(summed))
+        assert torch.equal(outs[0], outs[2]) and (not has_residual or torch.equal(outs[1], outs[3]))
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    positions, slots = torch.randint(0, 500, (t,), generator=g), torch.randperm(t + 40, generator=g)[:t]
+    slots[3] = -1
+    table = reference.rotary_cos_sin_cache(512, d, 10000.0).numpy()
+    results = []
+    for kernel in (cpu_layers._rotary_write_kv, cpu_layers._rotary_write_kv_rows):
+        q, k, v = torch.empty(t, hq, d, dtype=dtype), *(torch.zeros(t + 40, hkv, d, dtype=dtype) for _ in range(2))
+        kernel(as_np(qkv), hq, hkv, positions.numpy(), table, as_np(q), as_np(k), as_np(v), slots.numpy())
+        results.append((q, k, v))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert torch.equal(results[1][2][slots[0]], qkv[0, (hq + hkv) * d:].view(hkv, d))
 
 
 def test_cpu_step_serves_only_where_its_kernels_do():

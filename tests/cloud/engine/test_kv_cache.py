@@ -62,22 +62,23 @@ def test_the_engine_runs_its_kernels_once_before_it_serves(tiny_llama: Path, mon
     one decode call and one prefill call when it is built, writing into free block 0, then a prompt chunk's
     pass (the long-run attention kernel) into free blocks (through the CPU step's kernels:
     ``kernels.ops.cpu_step``)."""
-    from apiary.kernels import cpu_attention, cpu_quant, ops
+    from apiary.kernels import cpu_attention, cpu_quant
 
     calls: list[tuple[str, torch.dtype | None]] = []
 
     def spy(owner: object, name: str, dtype_of) -> None:  # type: ignore[no-untyped-def]
         original = getattr(owner, name)
-        monkeypatch.setattr(owner, name, lambda *a, **k: (calls.append((name, dtype_of(a))), original(*a, **k))[1])
+        label = f"{getattr(owner, '__name__', owner).rsplit('.', 1)[-1]}.{name}"
+        monkeypatch.setattr(owner, name, lambda *a, **k: (calls.append((label, dtype_of(a))), original(*a, **k))[1])
 
     spy(cpu_quant, "write_rows_int8", lambda a: torch.int8 if a[2].dtype == np.int8 else None)
     spy(cpu_attention.Prepared, "__call__", lambda a: torch.int8 if a[2].dtype == np.int8 and a[4] else None)
-    spy(ops, "paged_prefill_attention", lambda a: a[2].dtype)
+    spy(cpu_attention.PreparedPrefill, "__call__", lambda a: torch.int8 if a[2].dtype == np.int8 and a[4] else None)
     engine = LLMEngine(EngineConfig(model_path=tiny_llama, dtype="float32", kv_cache_bytes=1 << 20,
                                     kv_cache_dtype="int8"))
     layers = engine.runner.model_config.num_layers
-    assert sorted(set(calls)) == [("__call__", torch.int8), ("paged_prefill_attention", torch.int8),
-                                  ("write_rows_int8", torch.int8)]
+    assert sorted(set(calls)) == [("Prepared.__call__", torch.int8), ("PreparedPrefill.__call__", torch.int8),
+                                  ("cpu_quant.write_rows_int8", torch.int8)]
     assert len(calls) == (3 + 2) * layers and not engine.has_unfinished()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
