@@ -31,7 +31,7 @@ import torch
 from numba import njit
 
 from apiary.kernels import cpu_attention, cpu_int8_gemm
-from apiary.kernels.cpu_attention import _as_f32
+from apiary.kernels.cpu_attention import _NO_SCALES, _as_f32
 from apiary.kernels.cpu_int8_gemm import TILE, GroupedWeight
 from apiary.kernels.cpu_layers import (PARALLEL_ROWS, _np, _rms_norm, _rms_norm_rows, _rotary_write_kv,
                                        _rotary_write_kv_rows, _store)
@@ -108,6 +108,15 @@ def stack(first: int, layers: list[dict[str, GroupedWeight]], input_norms: list[
     return Int8Stack(first, len(layers), kernel, norms[0], norms[1], tuple(packed), tuple(scales), tuple(in_features))
 
 
+@njit(inline="always")
+def _norm(wide, x, residual, has_residual, weight, eps, out, summed):  # type: ignore[no-untyped-def]
+    """``_rms_norm``, or its row-parallel twin for ``wide`` steps (as ``CpuStep.rms_norm`` chooses)."""
+    if wide:
+        _rms_norm_rows(x, residual, has_residual, weight, eps, out, summed)
+    else:
+        _rms_norm(x, residual, has_residual, weight, eps, out, summed)
+
+
 @functools.cache
 def _layers_of(kernel: str, fixed_head_dim: int):  # type: ignore[no-untyped-def]
     """The compiled run for one GEMM kernel and one attention kernel (``cpu_attention._decode_kernel``'s head dim:
@@ -142,19 +151,13 @@ def _layers_of(kernel: str, fixed_head_dim: int):  # type: ignore[no-untyped-def
         wide = t >= PARALLEL_ROWS  # the row-parallel norm and rotary, as ``CpuStep`` takes them
         for layer in range(input_norms.shape[0]):
             k_cache, v_cache = pool[first + layer, 0], pool[first + layer, 1]
+            # the sum goes to the buffer the residual is not in (``CpuStep.rms_norm``: aliasing changes rounding)
+            target = sum_a if turn == 0 else sum_b
             if has_residual or layer > 0:
-                # the sum goes to the buffer the residual is not in (``CpuStep.rms_norm``: aliasing changes rounding)
-                target = sum_a if turn == 0 else sum_b
-                if wide:
-                    _rms_norm_rows(hidden, res, yes, input_norms[layer], eps, normed, target)
-                else:
-                    _rms_norm(hidden, res, yes, input_norms[layer], eps, normed, target)
+                _norm(wide, hidden, res, yes, input_norms[layer], eps, normed, target)
                 res, turn = target, 1 - turn
-            else:
-                if wide:
-                    _rms_norm_rows(hidden, hidden, no, input_norms[layer], eps, normed, normed)
-                else:
-                    _rms_norm(hidden, hidden, no, input_norms[layer], eps, normed, normed)
+            else:  # no residual stream yet: it starts as the rows themselves
+                _norm(wide, hidden, hidden, no, input_norms[layer], eps, normed, normed)
                 res = hidden
             gemm(normed, qkv_w[layer], qkv_s[layer], qkv, no)
             k_rows, v_rows = (k_cache.reshape((-1, num_kv_heads, head_dim)),
@@ -174,10 +177,7 @@ def _layers_of(kernel: str, fixed_head_dim: int):  # type: ignore[no-untyped-def
                         attn[i, h * head_dim + d] = _store(attn, attn32[i, h, d])
             gemm(attn, o_w[layer], o_s[layer], o, no)
             target = sum_a if turn == 0 else sum_b
-            if wide:
-                _rms_norm_rows(o, res, yes, post_norms[layer], eps, normed, target)
-            else:
-                _rms_norm(o, res, yes, post_norms[layer], eps, normed, target)
+            _norm(wide, o, res, yes, post_norms[layer], eps, normed, target)
             res, turn = target, 1 - turn
             gemm(normed, gu_w[layer], gu_s[layer], gate_up, no)
             gemm(gate_up, down_w[layer], down_s[layer], out, yes)
@@ -186,8 +186,6 @@ def _layers_of(kernel: str, fixed_head_dim: int):  # type: ignore[no-untyped-def
 
     return layers
 
-
-_NO_SCALES = np.ones((1, 1, 1), np.float32)  # float caches: the attention kernel never reads it
 
 
 def run(stack: Int8Stack, x: np.ndarray, residual: np.ndarray | None, pool: np.ndarray, num_heads: int,

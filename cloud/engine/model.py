@@ -253,9 +253,9 @@ class LlamaModel:
                 continue
             if residual is not None and should_stop is not None and should_stop():
                 raise StepInterrupted
-            if stack is not None and step is not None and kv.pool is not None and i == stack.first:
+            if stack is not None and step is not None and i == stack.first:  # _stack_for checked kv.pool
                 # the run of int8 layers in one call: a decode step takes milliseconds, not worth interrupting
-                x, residual = step.int8_layers(x, residual, stack, kv.pool)
+                x, residual = step.int8_layers(x, residual, stack, kv.pool)  # type: ignore[arg-type]
                 skip_to = i + stack.count
                 continue
             if step is not None:  # the same layer on CPU, its small ops checked once per pass (CpuStep)
