@@ -361,3 +361,54 @@ def test_disconnects_abort_every_choice(server, cloud_engine, idle_engine):  # n
     c.close()
     wait_for(lambda: cloud_engine.metrics()["requests_aborted"] == before + 5)
     wait_for(lambda: cloud_engine.metrics()["kv_blocks_used"] == 0)
+
+
+def test_an_int8_server_decodes_through_its_run_of_layers(tmp_path, keys, gguf_path, monkeypatch):
+    """`apiary cloud serve --weights int8`'s engine behind the REST door: concurrent streamed chats decode through
+    the run of int8 layers in one call (``CpuStep.int8_layers``), and answer, token for token and logprob for
+    logprob, what the per-layer path answers once the run is switched off."""
+    import concurrent.futures
+
+    import openai
+
+    from apiary.cloud.engine import AsyncEngine, EngineConfig, LLMEngine, int8
+    from apiary.cloud.service import CloudService
+    from apiary.cloud.settings import CloudSettings
+    from apiary.kernels import cpu_layers
+
+    if int8.gemm_choice().backend != "grouped":
+        pytest.skip("the run takes grouped int8 weights; this host's int8 is per-token")
+    calls = []
+    through = cpu_layers.CpuStep.int8_layers
+    monkeypatch.setattr(cpu_layers.CpuStep, "int8_layers", lambda *a: calls.append(1) or through(*a))
+    llm = LLMEngine(EngineConfig(model_path=gguf_path, weights="int8", max_num_seqs=4, kv_cache_bytes=64 << 20))
+    engine = AsyncEngine(llm)
+    service = CloudService(CloudSettings(port=0, db=str(tmp_path / "cloud.db"), api_key_file=str(keys.path),
+                                         generate_key="never", images=str(tmp_path / "images"), model=str(gguf_path),
+                                         served_model_name=MODEL_NAME), engine=engine)
+    service.start()
+    try:
+        oa = openai.OpenAI(base_url=service.url + "/v1", api_key=keys.create(["inference"]), max_retries=0)
+
+        def answer(messages):
+            stream = oa.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=12, temperature=0,
+                                                logprobs=True, stream=True)
+            chunks = [c.choices[0] for c in stream if c.choices]
+            return ("".join(c.delta.content or "" for c in chunks),
+                    [(t.token, t.logprob) for c in chunks if c.logprobs for t in c.logprobs.content or []])
+
+        def all_answers():
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                return list(pool.map(answer, [QUESTION, POEM, YES_NO]))
+
+        fused = all_answers()
+        assert len(calls) >= 8 and all(text for text, _ in fused)
+        model = llm.runner.model  # the engine is idle between the rounds: the next step reads the attribute
+        stack, model.int8_stack = model.int8_stack, None
+        calls.clear()
+        layered = all_answers()
+        model.int8_stack = stack
+        assert not calls and layered == fused
+    finally:
+        service.stop()
+        engine.shutdown()
