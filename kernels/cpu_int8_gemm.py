@@ -168,6 +168,16 @@ def linear(x: torch.Tensor, weight: GroupedWeight, gated: bool = False, kernel: 
     return Bound(weight, kernel)(x, gated)
 
 
+def compiled_kernel(kernel: str | None = None):  # type: ignore[no-untyped-def]
+    """``(name, compiled GEMM)`` for one of ``runnable()`` (default: ``isa()``, the best); a clear error for a
+    kernel this CPU cannot run, which would otherwise kill the process with an illegal instruction."""
+    kernel = kernel or isa()
+    if kernel not in runnable():
+        raise KernelError(f"cpu_int8_gemm: kernel {kernel!r} does not run here (kernels: {', '.join(ISA_FEATURES)}; "
+                          f"this CPU, as numba compiles for it, runs: {', '.join(runnable()) or 'none'})")
+    return kernel, _linear if kernel == "avx512_vnni" else _linear_avx2
+
+
 class Bound:
     """``linear(x, weight, gated)`` for one weight, the kernel chosen and checked once: what a model's layer
     holds. Why: a decode step makes ~110 int8 projections, and choosing the kernel, looking up the module and
@@ -176,13 +186,8 @@ class Bound:
     __slots__ = ("weight", "compiled")
 
     def __init__(self, weight: GroupedWeight, kernel: str | None = None) -> None:
-        kernel = kernel or isa()
-        if kernel not in runnable():
-            raise KernelError(f"cpu_int8_gemm.linear: kernel {kernel!r} does not run here (kernels: "
-                              f"{', '.join(ISA_FEATURES)}; this CPU, as numba compiles for it, runs: "
-                              f"{', '.join(runnable()) or 'none'})")
         self.weight = weight
-        self.compiled = _linear if kernel == "avx512_vnni" else _linear_avx2
+        self.compiled = compiled_kernel(kernel)[1]
 
     def __call__(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
         weight = self.weight

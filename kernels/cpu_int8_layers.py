@@ -81,10 +81,7 @@ def stack(first: int, layers: list[dict[str, GroupedWeight]], input_norms: list[
           post_norms: list[torch.Tensor], kernel: str | None = None) -> Int8Stack:
     """Stack consecutive layers (from layer ``first``): their projections (``PROJECTIONS`` -> ``GroupedWeight``,
     each ``stackable``) and norms. ``kernel``: one of ``cpu_int8_gemm.runnable()`` (default: the best)."""
-    kernel = kernel or cpu_int8_gemm.isa()
-    if kernel not in cpu_int8_gemm.runnable():
-        raise KernelError(f"cpu_int8_layers: kernel {kernel!r} does not run here (this CPU, as numba compiles for "
-                          f"it, runs: {', '.join(cpu_int8_gemm.runnable()) or 'none'})")
+    kernel = cpu_int8_gemm.compiled_kernel(kernel)[0]
     if not layers or len(input_norms) != len(layers) or len(post_norms) != len(layers):
         raise KernelError("cpu_int8_layers.stack takes one or more layers, each with its two norms")
     for i, layer in enumerate(layers):
@@ -121,7 +118,7 @@ def _norm(wide, x, residual, has_residual, weight, eps, out, summed):  # type: i
 def _layers_of(kernel: str, fixed_head_dim: int):  # type: ignore[no-untyped-def]
     """The compiled run for one GEMM kernel and one attention kernel (``cpu_attention._decode_kernel``'s head dim:
     64, 128, or 0 for any)."""
-    gemm = cpu_int8_gemm._linear if kernel == "avx512_vnni" else cpu_int8_gemm._linear_avx2
+    gemm = cpu_int8_gemm.compiled_kernel(kernel)[1]
     attend = cpu_attention._decode_kernel(fixed_head_dim)
 
     @njit(nogil=True, boundscheck=False)
