@@ -17,7 +17,7 @@ glue does not show, and their attention kernels are chosen by run length.
 
 The weights are stacked once (``[layers, ...]`` per projection) and each layer's ``GroupedWeight`` becomes a
 view of its slice (``Int8Stack.views``), so the model holds them once. The function is built per GEMM
-kernel and head dim (``_layers_of``) and compiled once per process, not cached on disk: numba keys a cached
+kernel and attention kernel (``_layers_of``) and compiled once per process, not cached on disk: numba keys a cached
 function by its own source file only, and a cached copy would go on calling the kernels it was compiled
 with after they change.
 """
@@ -115,11 +115,11 @@ def _norm(wide, x, residual, has_residual, weight, eps, out, summed):  # type: i
 
 
 @functools.cache
-def _layers_of(kernel: str, fixed_head_dim: int):  # type: ignore[no-untyped-def]
-    """The compiled run for one GEMM kernel and one attention kernel (``cpu_attention._decode_kernel``'s head dim:
-    64, 128, or 0 for any)."""
+def _layers_of(kernel: str, head_dim: int, group: int):  # type: ignore[no-untyped-def]
+    """The compiled run for one GEMM kernel and one attention kernel (``cpu_attention.decode_kernel_key``'s
+    ``(head_dim, group)``; ``(0, 0)`` for the generic one)."""
     gemm = cpu_int8_gemm.compiled_kernel(kernel)[1]
-    attend = cpu_attention._decode_kernel(fixed_head_dim)
+    attend = cpu_attention._decode_kernel(head_dim, group)
 
     @njit(nogil=True, boundscheck=False)
     def layers(x, residual, has_residual, pool, first, input_norms, post_norms, qkv_w, qkv_s, o_w, o_s, gu_w, gu_s,
@@ -191,8 +191,7 @@ def run(stack: Int8Stack, x: np.ndarray, residual: np.ndarray | None, pool: np.n
     """The stack's layers over numpy views a caller checked (``cpu_layers.CpuStep.int8_layers``): ``x``/``residual``
     ``[T, H]`` (bf16 as int16 bits; no residual before a model's first layer), ``pool [layers, 2, blocks,
     block_size, Hkv, D]`` of ``x``'s dtype, one decode row per token. Returns new ``(x, residual)`` arrays."""
-    head_dim = pool.shape[5]
-    compiled = _layers_of(stack.kernel, head_dim if head_dim in cpu_attention.SPECIALISED_HEAD_DIMS else 0)
+    compiled = _layers_of(stack.kernel, *cpu_attention.decode_kernel_key(num_heads, pool.shape[4], pool.shape[5]))
     (qkv_w, o_w, gu_w, down_w), (qkv_s, o_s, gu_s, down_s) = stack.packed, stack.scales
     return compiled(x, x if residual is None else residual, residual is not None, pool, stack.first, stack.input_norms,
                     stack.post_norms, qkv_w, qkv_s, o_w, o_s, gu_w, gu_s, down_w, down_s, num_heads, positions, cos_sin,

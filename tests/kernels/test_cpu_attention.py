@@ -72,6 +72,41 @@ def test_specialised_head_dims_match_the_generic_kernel(hq, hkv, d, dtype, monke
     torch.testing.assert_close(fixed.float(), generic.float(), atol=1e-5, rtol=rtol)
 
 
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_grouped_kernels_match_the_generic_kernel_on_random_batches(data):
+    """The kernels compiled per (head dim, group) walk a sequence by runs within its blocks, four keys at a time
+    and the rest one by one: any lengths, block sizes, windows and groups give the generic kernel's result."""
+    hkv, group = data.draw(st.sampled_from([1, 2, 3])), data.draw(st.sampled_from([1, 3, 4]))
+    ctx = data.draw(st.lists(st.integers(0, 90), min_size=1, max_size=6))
+    window = data.draw(st.one_of(st.none(), st.integers(1, 40)))
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.int8]))
+    case = make_case(ctx, [1] * len(ctx), hkv * group, hkv, 64, data.draw(st.sampled_from([4, 7, 16])),
+                     torch.bfloat16 if dtype == torch.int8 else dtype, seed=data.draw(st.integers(0, 1000)))
+    caches, scales = (case.k_cache, case.v_cache), ()
+    if dtype == torch.int8:
+        q8 = quantize_case(case)
+        caches, scales = (q8.k_cache, q8.v_cache), (q8.k_scale, q8.v_scale)
+    args = (case.q, *caches, case.block_tables, case.context_lens, case.scale, window, *scales)
+    assert cpu_attention.decode_kernel_key(hkv * group, hkv, 64) == (64, group)
+    grouped = cpu_attention.paged_decode_attention(*args)
+    generic = cpu_attention._generic_decode
+    out = np.empty(tuple(case.q.shape), np.float32)
+    generic(case.q.float().numpy(), *(cpu_attention._cache_array(c) for c in caches),
+            *(x.numpy() for x in scales) if scales else (cpu_attention._NO_SCALES,) * 2, bool(scales),
+            case.block_tables.numpy(), case.context_lens.numpy(), np.float32(case.scale), window or 0, out)
+    rtol = 2.0 ** -7 if case.q.dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(grouped.float(), torch.from_numpy(out).to(case.q.dtype).float(), atol=1e-5, rtol=rtol)
+
+
+def test_kernels_are_compiled_per_group_up_to_max_group_for_specialised_head_dims():
+    assert cpu_attention.decode_kernel_key(9, 3, 64) == (64, 3)
+    assert cpu_attention.decode_kernel_key(32, 8, 128) == (128, 4)
+    assert cpu_attention.decode_kernel_key(16, 1, 64) == (0, 0)  # a group past MAX_GROUP: the generic kernel
+    assert cpu_attention.decode_kernel_key(8, 2, 32) == (0, 0)
+    assert cpu_attention._decode_kernel(0, 0) is cpu_attention._generic_decode
+
+
 def test_exp_is_within_two_ulp_of_numpy_and_clamps_below_minus_87():
     """The softmax's exponential (plain arithmetic so that its loop vectorises) against float64 ``exp``."""
     from numba import njit

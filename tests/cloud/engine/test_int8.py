@@ -373,7 +373,7 @@ def test_decode_steps_run_the_int8_layers_in_one_call(tmp_path: Path, monkeypatc
                                         block_size=8))
         stack = engine.runner.model.int8_stack
         assert stack is not None and (stack.first, stack.count) == (1, 4)
-        compiled = cpu_int8_layers._layers_of(stack.kernel, 0).signatures  # head dim 32: the generic attention
+        compiled = cpu_int8_layers._layers_of(stack.kernel, 0, 0).signatures  # head dim 32: the generic attention
         bits = np.int16 if dtype == "bfloat16" else np.float32
         assert any(sig[0].dtype == numba.from_dtype(bits) for sig in compiled)  # by the warm-up, before serving
         for i, layer in enumerate(engine.runner.model.layers[1:5]):  # views of the stack, not copies
