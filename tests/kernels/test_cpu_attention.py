@@ -107,31 +107,6 @@ def test_kernels_are_compiled_per_group_up_to_max_group_for_specialised_head_dim
     assert cpu_attention._decode_kernel(0, 0) is cpu_attention._generic_decode
 
 
-_COMPILE_AND_COUNT = """
-import numpy as np
-import apiary.cloud.engine  # the engine's thread settings first, as every caller has them
-from apiary.kernels import cpu_attention as ca
-kernel = ca._decode_kernel(64, 3)
-q = np.zeros((2, 9, 64), np.float32)
-cache = np.zeros((4, 16, 3, 64), np.int16)
-kernel(q, cache, cache, ca._NO_SCALES, ca._NO_SCALES, False, np.zeros((2, 2), np.int32), np.array([5, 9], np.int32),
-       np.float32(1.0), 0, q.copy())
-print(sum(kernel.stats.cache_hits.values()), sum(kernel.stats.cache_misses.values()))
-"""
-
-
-def test_grouped_kernels_load_from_numbas_disk_cache_in_a_new_process():
-    """The kernel compiled per group is cached on disk: a second process loads it, not compiles it again (it did,
-    ~5.6 s per process, while the group's intrinsics were closure values)."""
-    import subprocess
-    import sys
-
-    runs = [subprocess.run([sys.executable, "-c", _COMPILE_AND_COUNT], capture_output=True, text=True, check=True)
-            for _ in range(2)]
-    hits, misses = (int(x) for x in runs[1].stdout.split()[-2:])
-    assert (hits, misses) == (1, 0), runs[1].stdout + runs[1].stderr
-
-
 def test_exp_is_within_two_ulp_of_numpy_and_clamps_below_minus_87():
     """The softmax's exponential (plain arithmetic so that its loop vectorises) against float64 ``exp``."""
     from numba import njit
