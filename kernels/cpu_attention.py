@@ -465,12 +465,16 @@ def decode_kernel_key(num_heads: int, num_kv_heads: int, head_dim: int) -> tuple
 @functools.cache
 def _decode_kernel(head_dim: int, group: int):  # type: ignore[no-untyped-def]
     """The decode kernel for ``decode_kernel_key``'s ``(head_dim, group)``: ``_generic_decode`` for ``(0, 0)``.
-    numba caches each closure's machine code apart (by the values it closes over)."""
+
+    Compiled once per process (~5.6 s, in the engine's warm-up), not read from numba's disk cache: a cached copy
+    (its intrinsics taking the group and head dim as literal arguments, so that the cache could key it) corrupted
+    the heap in a test process that then built an int8 engine (glibc's ``MALLOC_CHECK_=3``: "free(): invalid next
+    size", 4 of 4 runs; never with this kernel compiled in-process). The cause was not found; docs/kernels.md."""
     if not head_dim:
         return _generic_decode
     dots4, dots1, sums = _group_dots_of(group, head_dim, 4), _group_dots_of(group, head_dim, 1), _group_sums_of(group, head_dim)
 
-    @njit(parallel=True, fastmath=True, cache=True, boundscheck=False, nogil=True)
+    @njit(parallel=True, fastmath=True, cache=False, boundscheck=False, nogil=True)
     def decode(q, k_cache, v_cache, k_scale, v_scale, quantized, block_tables, context_lens, scale, window,
                out):  # type: ignore[no-untyped-def]
         """``_generic_decode``'s contract, for queries of ``head_dim`` with ``group`` query heads per KV head.
