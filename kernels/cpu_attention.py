@@ -266,6 +266,23 @@ def _prefetch_row(cache, scales, quantized, block_tables, b, pos):  # type: igno
         _prefetch(scales, row * num_kv_heads, num_kv_heads)
 
 
+@njit(fastmath=True, cache=True, boundscheck=False, inline="always")
+def _run_at(cache, scales, quantized, block_tables, b, start, t, n):  # type: ignore[no-untyped-def]
+    """Sequence ``b``'s run of rows from position ``start + t`` to the end of its block (or of its ``n``
+    positions): ``(block, offset, count)``. Asks for the rows ``PREFETCH_TOKENS`` past the run, and at ``t == 0``
+    for the first ``PREFETCH_TOKENS`` as well, so that a pass over the sequence by runs keeps its rows coming."""
+    block_size = cache.shape[1]
+    if t == 0:
+        for u in range(min(n, PREFETCH_TOKENS)):
+            _prefetch_row(cache, scales, quantized, block_tables, b, start + u)
+    pos = start + t
+    offset = pos % block_size
+    count = min(block_size - offset, n - t)
+    for ahead in range(t + PREFETCH_TOKENS, min(t + count + PREFETCH_TOKENS, n)):
+        _prefetch_row(cache, scales, quantized, block_tables, b, start + ahead)
+    return block_tables[b, pos // block_size], offset, count
+
+
 def _widen(builder, array_type, at):  # type: ignore[no-untyped-def]
     """``LANES`` cache elements from the element pointer ``at`` as a float32 vector: bf16 bits (int16) shifted
     into a float's top half, int8 converted (its scale is applied outside), float32 loaded."""
@@ -494,15 +511,9 @@ def _decode_kernel(head_dim: int, group: int):  # type: ignore[no-untyped-def]
                 continue
             scaled_q = _scaled_queries(q, b, scale)
             scores = np.empty((num_heads, n), np.float32)
-            for t in range(min(n, PREFETCH_TOKENS)):
-                _prefetch_row(k_cache, k_scale, quantized, block_tables, b, start + t)
             t = 0
             while t < n:
-                pos = start + t
-                block, offset = block_tables[b, pos // block_size], pos % block_size
-                count = min(block_size - offset, n - t)
-                for ahead in range(t + PREFETCH_TOKENS, min(t + count + PREFETCH_TOKENS, n)):
-                    _prefetch_row(k_cache, k_scale, quantized, block_tables, b, start + ahead)
+                block, offset, count = _run_at(k_cache, k_scale, quantized, block_tables, b, start, t, n)
                 whole = count - count % 4
                 for h in range(num_kv_heads):
                     row = (block * block_size + offset) * row_stride + h * head_dim
@@ -515,15 +526,9 @@ def _decode_kernel(head_dim: int, group: int):  # type: ignore[no-untyped-def]
                                 scores[hq, t + u] *= k_scale[block, offset + u, h]
                 t += count
             _softmax_rows(scores)
-            for t in range(min(n, PREFETCH_TOKENS)):
-                _prefetch_row(v_cache, v_scale, quantized, block_tables, b, start + t)
             t = 0
             while t < n:
-                pos = start + t
-                block, offset = block_tables[b, pos // block_size], pos % block_size
-                count = min(block_size - offset, n - t)
-                for ahead in range(t + PREFETCH_TOKENS, min(t + count + PREFETCH_TOKENS, n)):
-                    _prefetch_row(v_cache, v_scale, quantized, block_tables, b, start + ahead)
+                block, offset, count = _run_at(v_cache, v_scale, quantized, block_tables, b, start, t, n)
                 for h in range(num_kv_heads):
                     if quantized:  # a value's scale multiplies its probability
                         for hq in range(h * group, (h + 1) * group):
@@ -554,7 +559,7 @@ def _generic_decode(q, k_cache, v_cache, k_scale, v_scale, quantized, block_tabl
     """
     num_seqs, num_heads = q.shape[0], q.shape[1]
     head_dim = q.shape[2]
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     for item in prange(num_seqs):
         b, start, n = _sequence_of(item, num_seqs, context_lens, window)
@@ -564,34 +569,30 @@ def _generic_decode(q, k_cache, v_cache, k_scale, v_scale, quantized, block_tabl
             continue
         scaled_q = _scaled_queries(q, b, scale)
         scores = np.empty((num_heads, n), np.float32)
-        for t in range(min(n, PREFETCH_TOKENS)):
-            _prefetch_row(k_cache, k_scale, quantized, block_tables, b, start + t)
-        for t in range(n):
-            pos = start + t
-            block, offset = block_tables[b, pos // block_size], pos % block_size
-            if t + PREFETCH_TOKENS < n:
-                _prefetch_row(k_cache, k_scale, quantized, block_tables, b, pos + PREFETCH_TOKENS)
-            for h in range(num_kv_heads):
-                key_scale = k_scale[block, offset, h] if quantized else np.float32(1.0)
-                for hq in range(h * group, (h + 1) * group):
-                    s = np.float32(0.0)
-                    for d in range(head_dim):
-                        s += scaled_q[hq, d] * _as_f32(k_cache[block, offset, h, d])
-                    scores[hq, t] = s * key_scale
+        t = 0
+        while t < n:
+            block, offset, count = _run_at(k_cache, k_scale, quantized, block_tables, b, start, t, n)
+            for u in range(count):
+                for h in range(num_kv_heads):
+                    key_scale = k_scale[block, offset + u, h] if quantized else np.float32(1.0)
+                    for hq in range(h * group, (h + 1) * group):
+                        s = np.float32(0.0)
+                        for d in range(head_dim):
+                            s += scaled_q[hq, d] * _as_f32(k_cache[block, offset + u, h, d])
+                        scores[hq, t + u] = s * key_scale
+            t += count
         _softmax_rows(scores)
-        for t in range(min(n, PREFETCH_TOKENS)):
-            _prefetch_row(v_cache, v_scale, quantized, block_tables, b, start + t)
-        for t in range(n):
-            pos = start + t
-            block, offset = block_tables[b, pos // block_size], pos % block_size
-            if t + PREFETCH_TOKENS < n:
-                _prefetch_row(v_cache, v_scale, quantized, block_tables, b, pos + PREFETCH_TOKENS)
-            for h in range(num_kv_heads):
-                value_scale = v_scale[block, offset, h] if quantized else np.float32(1.0)
-                for hq in range(h * group, (h + 1) * group):
-                    p = scores[hq, t] * value_scale
-                    for d in range(head_dim):
-                        acc[hq, d] += p * _as_f32(v_cache[block, offset, h, d])
+        t = 0
+        while t < n:
+            block, offset, count = _run_at(v_cache, v_scale, quantized, block_tables, b, start, t, n)
+            for u in range(count):
+                for h in range(num_kv_heads):
+                    value_scale = v_scale[block, offset + u, h] if quantized else np.float32(1.0)
+                    for hq in range(h * group, (h + 1) * group):
+                        p = scores[hq, t + u] * value_scale
+                        for d in range(head_dim):
+                            acc[hq, d] += p * _as_f32(v_cache[block, offset + u, h, d])
+            t += count
         _write_rows(out, b, acc)
 
 
