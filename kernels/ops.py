@@ -525,3 +525,32 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
         return cpu_quant.quantize_rows(x)
     return reference.quantize_rows(x)
+
+
+def refine_logits(hidden: torch.Tensor, weight: torch.Tensor, logits: torch.Tensor,
+                  bitmask: torch.Tensor | None = None, candidates: int | None = None) -> torch.Tensor:
+    """Logits of an approximate LM head made exact where they can win, in place: each row's ``candidates``
+    largest, and where the grammar's ``bitmask`` ``[rows, W]`` (int32, bit j of word w: token 32w + j) restricts
+    the row, its largest allowed ones, become ``hidden @ weight.T`` rounded to ``weight``'s dtype
+    (``apiary.kernels.cpu_head``). ``hidden [rows, H]`` and ``weight [V, H]`` float32 or bfloat16, ``logits
+    [rows, V]`` float32, all on the CPU. Returns ``logits``."""
+    from apiary.kernels import cpu_head  # imports numba: only once an approximate head runs
+
+    for name, t in (("hidden", hidden), ("weight", weight), ("logits", logits)):
+        _check_tensor(name, t, 2, float_=True)
+        _check(t.device.type == "cpu", lambda: f"refine_logits is a CPU kernel; {name} is on {t.device}")
+    _check(hidden.dtype in NUMBA_DTYPES and weight.dtype in NUMBA_DTYPES,
+           lambda: f"hidden and weight must be float32 or bfloat16, got {hidden.dtype} and {weight.dtype}")
+    _check(logits.dtype == torch.float32 and logits.is_contiguous(), lambda: "logits must be contiguous float32")
+    _check(hidden.shape[1] == weight.shape[1] and tuple(logits.shape) == (hidden.shape[0], weight.shape[0]),
+           lambda: f"shapes do not fit: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, "
+                   f"logits {tuple(logits.shape)}")
+    if bitmask is not None:
+        _check_tensor("bitmask", bitmask, 2)
+        _check(bitmask.dtype == torch.int32 and bitmask.shape[0] == logits.shape[0],
+               lambda: f"bitmask must be int32 [{logits.shape[0]}, W], got {bitmask.dtype} {tuple(bitmask.shape)}")
+    k = cpu_head.CANDIDATES if candidates is None else candidates
+    _check(k >= 1, lambda: f"candidates must be >= 1, got {k}")
+    if logits.shape[0]:
+        cpu_head.refine(hidden.contiguous(), weight.contiguous(), logits, bitmask, k)
+    return logits

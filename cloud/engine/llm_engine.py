@@ -52,6 +52,7 @@ class LLMEngine:
         if self.speculator is not None:
             self.scheduler.speculation = SpeculationHooks(propose=self._propose, preempted=self.speculator.preempted)
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size)
+        self._step_bitmask: torch.Tensor | None = None  # the grammar bitmask this step computed (_allowed_tokens)
         self.stop_token_ids = sorted(self.tokenizer.stop_token_ids)
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()
@@ -209,14 +210,21 @@ class LLMEngine:
             self.runner.governor.tick()  # adaptive waits: spin or sleep by the cores others use, before this step
         started = time.perf_counter()
         try:
+            self._step_bitmask = None
             sampled, logits, spec_logits = self.runner.execute(batch, plan.seqs if plan else [],
-                                                               self._stop_rule(batch))
+                                                               self._stop_rule(batch), self._allowed_tokens)
         except StepInterrupted:
             # Nothing was committed: the same sequences keep their blocks and are scheduled again.
             self.stats.interrupted_steps += 1
             return outputs
         outputs += self._postprocess(batch, sampled, logits, spec_logits, time.perf_counter() - started)
         return outputs
+
+    def _allowed_tokens(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """The grammar bitmask of the sequences sampling this step, for a head that needs it before sampling
+        (``ModelRunner.execute``); kept for the sampling of the same step."""
+        self._step_bitmask = self.structured.bitmask([Row(s) for s in seqs])
+        return self._step_bitmask
 
     def _stop_rule(self, batch: ScheduledBatch) -> Callable[[], bool] | None:
         """When a running step should stop early: a newcomer is more urgent than some of its work (the more
@@ -234,8 +242,9 @@ class LLMEngine:
         spec, plan = self.speculator, batch.spec_plan
         if sampled:
             rows = [Row(s) for s in sampled]
+            bitmask = self._step_bitmask if self._step_bitmask is not None else self.structured.bitmask(rows)
             tokens, logprobs = sampling.sample(logits, rows, [self._generator_of(s) for s in sampled],
-                                               self.stop_token_ids, self.structured.bitmask(rows))
+                                               self.stop_token_ids, bitmask)
         verdicts = (spec.verify(plan, spec_logits, [self._generator_of(s) for s in plan.seqs], self._process)
                     if plan else [])
         if spec is not None and batch.seqs and all(n == 1 or s in batch.spec_tokens

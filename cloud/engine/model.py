@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from apiary.cloud.engine.config import ModelConfig
 from apiary.cloud.engine.errors import EngineError, StepInterrupted
-from apiary.cloud.engine.int8 import GroupedInt8Linear, Int8Linear
+from apiary.cloud.engine.int8 import GroupedInt8Linear, Int8Linear, RefinedHead
 from apiary.cloud.engine.kv_cache import LayerKV
 from apiary.cloud.engine.linear import Linear
 from apiary.kernels import ops
@@ -158,7 +158,7 @@ class LlamaModel:
         if tuple(self.embed.shape) != (config.vocab_size, config.hidden_size):
             raise EngineError(f"embedding is {tuple(self.embed.shape)}, expected ({config.vocab_size}, {config.hidden_size})")
         self.lm_head = self.embed if config.tie_word_embeddings or "lm_head.weight" not in weights else w("lm_head.weight")
-        self.head = Linear.of(self.lm_head)
+        self.head: Linear | RefinedHead = Linear.of(self.lm_head)  # int8.quantize_head may refine it
         self.norm = w("model.norm.weight")
         self.layers: list[DecoderLayer] = []
         for i in range(config.num_layers):
@@ -303,5 +303,10 @@ class LlamaModel:
                             c.sliding_window, self.decode_backend, kv_caches[0].k_scale, kv_caches[0].v_scale,
                             meta.prefill_block_tables, meta.prefill_cu_seqlens_q, meta.prefill_context_lens)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 logits of ``hidden`` rows. ``allowed``: the rows' grammar bitmask, for a head that computes
+        exactly only the logits that can win (``int8.RefinedHead``: it must know which tokens a grammar allows);
+        the plain head ignores it."""
+        if isinstance(self.head, RefinedHead):
+            return self.head(hidden, allowed)
         return self.head(hidden).float()

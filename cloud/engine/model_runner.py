@@ -117,7 +117,9 @@ class ModelRunner:
         blocks = list(range(-(-n // self.block_size)))
         positions, meta, _ = paged_layout(np.zeros(1, dtype=np.int64), np.array([n], dtype=np.int64), [blocks],
                                           self.block_size, 0, self.device)
-        self.model.forward(torch.zeros(n, dtype=torch.int64, device=self.device), positions, meta, self.kv_caches)
+        hidden = self.model.forward(torch.zeros(n, dtype=torch.int64, device=self.device), positions, meta,
+                                    self.kv_caches)
+        self.model.logits(hidden[-1:])  # the head's kernels (an int8 head's refinement: ~2 s where numba's cache is cold)
 
     def _quantize(self, config: EngineConfig, checkpoint: Checkpoint) -> None:
         """W8A8 projections, SmoothQuant factors from a calibration pass over fixed prompts (``int8``)."""
@@ -129,12 +131,15 @@ class ModelRunner:
         prompts = [tokenizer.encode(p) for p in int8.CALIBRATION_PROMPTS]
         stats = int8.calibrate(self.model, prompts, config.block_size)
         int8.quantize_model(self.model, stats)
+        refined = int8.quantize_head(self.model)
         stacked = self.model.stack_int8_layers()
         choice = int8.gemm_choice()
         kept = sorted(int8.dtype_layers(len(self.model.layers)))
         log.info("int8 weights (W8A8, SmoothQuant alpha %.2f over %d calibration tokens, %s GEMM, %d-bit weights; "
-                 "decoder layers %s stay in %s; probe: %s; %s) in %.1f s", int8.DEFAULT_ALPHA, sum(map(len, prompts)),
-                 choice.backend, choice.weight_bits, kept or "none", str(self.dtype).removeprefix("torch."),
+                 "decoder layers %s stay in %s; LM head %s; probe: %s; %s) in %.1f s", int8.DEFAULT_ALPHA,
+                 sum(map(len, prompts)), choice.backend, choice.weight_bits, kept or "none",
+                 str(self.dtype).removeprefix("torch."),
+                 "int8 with exact top candidates" if refined else f"in {str(self.dtype).removeprefix('torch.')}",
                  choice.reason, stacked, time.perf_counter() - start)
 
     def _default_kv_bytes(self) -> int:
@@ -172,13 +177,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, verify: list[Sequence] = (),
-                should_stop: Callable[[], bool] | None = None
+                should_stop: Callable[[], bool] | None = None,
+                allowed: Callable[[list[Sequence]], torch.Tensor | None] | None = None
                 ) -> tuple[list[Sequence], torch.Tensor | None, torch.Tensor | None]:
         """Run ``batch``; return the sequences whose known tokens are now all computed (they sample their
         next token) with their next-token logits ``[n, vocab]``, and for the speculating sequences
         ``verify`` (in that order) the logits of all their positions, last real token and draft tokens
         (``[sum(k_i + 1), vocab]``; None if there are none).
-        ``should_stop``: see ``LlamaModel.forward`` (raises ``StepInterrupted``; nothing is sampled)."""
+        ``should_stop``: see ``LlamaModel.forward`` (raises ``StepInterrupted``; nothing is sampled).
+        ``allowed``: the grammar bitmask of the sampling sequences, asked for only where the head computes
+        exactly just the logits that can win (``int8.RefinedHead``)."""
         for seq, blocks in batch.swap_out:
             self.swap_out(seq, blocks)
         for seq, blocks in batch.swap_in:
@@ -195,7 +203,8 @@ class ModelRunner:
             spec_logits = self.model.logits(hidden[rows])
         if not sampled:
             return [], None, spec_logits
-        return sampled, self.model.logits(hidden[[row for row in last_rows if row >= 0]]), spec_logits
+        mask = allowed(sampled) if allowed is not None and isinstance(self.model.head, int8.RefinedHead) else None
+        return sampled, self.model.logits(hidden[[row for row in last_rows if row >= 0]], mask), spec_logits
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  should_stop: Callable[[], bool] | None) -> torch.Tensor:
