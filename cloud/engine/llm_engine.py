@@ -220,11 +220,13 @@ class LLMEngine:
         outputs += self._postprocess(batch, sampled, logits, spec_logits, time.perf_counter() - started)
         return outputs
 
-    def _allowed_tokens(self, seqs: list[Sequence]) -> torch.Tensor | None:
-        """The grammar bitmask of the sequences sampling this step, for a head that needs it before sampling
-        (``ModelRunner.execute``); kept for the sampling of the same step."""
-        self._step_bitmask = self.structured.bitmask([Row(s) for s in seqs])
-        return self._step_bitmask
+    def _allowed_tokens(self, rows: list[Row]) -> torch.Tensor | None:
+        """The grammar bitmask of sampling positions, for a head that needs it before sampling
+        (``ModelRunner.execute``); the plain rows' is kept for the sampling of the same step."""
+        mask = self.structured.bitmask(rows)
+        if not any(r.drafted for r in rows):
+            self._step_bitmask = mask
+        return mask
 
     def _stop_rule(self, batch: ScheduledBatch) -> Callable[[], bool] | None:
         """When a running step should stop early: a newcomer is more urgent than some of its work (the more

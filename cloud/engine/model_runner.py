@@ -17,6 +17,7 @@ from apiary.cloud.engine.cuda_graphs import DecodeGraphs
 from apiary.cloud.engine.kv_cache import KVPool, bytes_per_token
 from apiary.cloud.engine.loader import Checkpoint
 from apiary.cloud.engine.model import AttentionMetadata, LlamaModel, paged_layout
+from apiary.cloud.engine.sampling import Row
 from apiary.cloud.engine.scheduler import ScheduledBatch
 from apiary.cloud.engine.sequence import Sequence
 from apiary.kernels import cpu, ops
@@ -178,15 +179,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, verify: list[Sequence] = (),
                 should_stop: Callable[[], bool] | None = None,
-                allowed: Callable[[list[Sequence]], torch.Tensor | None] | None = None
+                allowed: Callable[[list[Row]], torch.Tensor | None] | None = None
                 ) -> tuple[list[Sequence], torch.Tensor | None, torch.Tensor | None]:
         """Run ``batch``; return the sequences whose known tokens are now all computed (they sample their
         next token) with their next-token logits ``[n, vocab]``, and for the speculating sequences
         ``verify`` (in that order) the logits of all their positions, last real token and draft tokens
         (``[sum(k_i + 1), vocab]``; None if there are none).
         ``should_stop``: see ``LlamaModel.forward`` (raises ``StepInterrupted``; nothing is sampled).
-        ``allowed``: the grammar bitmask of the sampling sequences, asked for only where the head computes
-        exactly just the logits that can win (``int8.RefinedHead``)."""
+        ``allowed``: the grammar bitmask of sampling positions (``Row``s: a sequence and the drafts before the
+        position), asked for only where the head computes exactly just the logits that can win
+        (``int8.RefinedHead``): for verifications too, so that speculation keeps its tokens the plain step's."""
         for seq, blocks in batch.swap_out:
             self.swap_out(seq, blocks)
         for seq, blocks in batch.swap_in:
@@ -197,13 +199,16 @@ class ModelRunner:
         hidden = self._forward(input_ids, positions, meta, should_stop)
         sampled = [s for s, row in zip(batch.seqs, last_rows) if row >= 0]
         spec_logits = None
+        masks = allowed if allowed is not None and isinstance(self.model.head, int8.RefinedHead) else None
         if verify:
             end = {s: row for s, row in zip(batch.seqs, itertools.accumulate(batch.num_new_tokens))}
             rows = [r for s in verify for r in range(end[s] - 1 - len(batch.spec_tokens[s]), end[s])]
-            spec_logits = self.model.logits(hidden[rows])
+            positions = [Row(s, tuple(batch.spec_tokens[s][:j])) for s in verify
+                         for j in range(len(batch.spec_tokens[s]) + 1)]  # as spec.verify's rows
+            spec_logits = self.model.logits(hidden[rows], masks(positions) if masks else None)
         if not sampled:
             return [], None, spec_logits
-        mask = allowed(sampled) if allowed is not None and isinstance(self.model.head, int8.RefinedHead) else None
+        mask = masks([Row(s) for s in sampled]) if masks else None
         return sampled, self.model.logits(hidden[[row for row in last_rows if row >= 0]], mask), spec_logits
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
