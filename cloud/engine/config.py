@@ -20,7 +20,8 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"  # auto: float32 on CPU (the correctness reference), bfloat16 on CUDA
     # decoder projections' weights: in ``dtype``, or "int8" (W8A8 with SmoothQuant, scales per 64 inputs where
-    # AVX-512 VNNI is, CPU only: cloud.engine.int8)
+    # AVX-512 VNNI or AVX2 is, CPU only: cloud.engine.int8; there the LM head ranks in int8 and computes the
+    # logits that can win exactly: int8.RefinedHead)
     weights: str = "dtype"
     # the KV cache: "auto" stores rows in ``dtype``; "int8" stores int8 rows with per-token, per-head scales
     # (CPU only: cloud.engine.kv_cache), about 2x the tokens of bf16 and 4x those of float32 per byte
