@@ -418,11 +418,13 @@ class RefinedHead:
 
 
 def quantize_head(model: LlamaModel) -> bool:
-    """Give ``model`` a ``RefinedHead`` where the grouped int8 kernel runs here (on CPU); True if it did."""
-    if model.device.type != "cpu" or not ops.grouped_int8_available():
+    """Give ``model`` a ``RefinedHead`` where this host's probed int8 GEMM is the grouped kernel (on CPU; the
+    probe passes over a grouped kernel that is inexact or slow here); True if it did."""
+    if model.device.type != "cpu" or gemm_choice().backend != "grouped":
         return False
     model.head = RefinedHead.of(model.lm_head)
     return True
+
 
 def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear | GroupedInt8Linear:
     """The int8 layer for ``weight`` on this host's probed GEMM (``gemm_choice``)."""

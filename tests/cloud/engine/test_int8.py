@@ -364,6 +364,18 @@ def test_an_int8_engines_head_ranks_in_int8_and_computes_the_winners_exactly(tmp
     assert not torch.equal(approx, exact)  # the approximation is not the float head (else this tests nothing)
 
 
+def test_the_head_stays_in_dtype_where_the_probe_passed_over_the_grouped_kernel(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, per_token_choice: int8.GemmChoice) -> None:
+    """Where the probe chose the per-token path (the grouped kernel inexact or slow on this host, though it can
+    run), the head keeps the float weight: it takes the probe's word, as the layers do."""
+    if per_token_choice.backend is None:
+        pytest.skip(f"no per-token int8 GEMM on this host ({per_token_choice.reason})")
+    monkeypatch.setattr(int8, "gemm_choice", lambda: per_token_choice)
+    engine = LLMEngine(EngineConfig(model_path=make_checkpoint(tmp_path / "six", "llama", layers=6), dtype="float32",
+                                    weights="int8", kv_cache_bytes=4 << 20, block_size=8))
+    assert isinstance(engine.runner.model.layers[1].qkv, int8.Int8Linear)
+    assert isinstance(engine.runner.model.head, Linear)
+
 def test_a_grammar_rows_allowed_tokens_reach_the_refined_head(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine hands the head the grammar's bitmask of the rows it samples (a grammar's allowed tokens can all
     lie below the row's top candidates), and the constrained answers are the float head's, token for token."""
