@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import random
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from apiary.firmware_bridge import frames as F
+from apiary.firmware_bridge.errors import FrameError
 from apiary.firmware_bridge.stream import StreamReader
 
 READINGS = {"hive_temp_c": 34.5, "hive_weight_kg": 40.25, "battery_v": 3.95, "bee_traffic": 812}
@@ -141,14 +142,40 @@ def build_stream(segments) -> tuple[bytes, list[tuple[int, int, dict]]]:
     return b"".join(parts), intact
 
 
+def in_stream(frame: F.Frame, data: bytes) -> bool:
+    """Whether some window of ``data``, magic to CRC, decodes on its own to ``frame``."""
+    at = data.find(F.MAGIC)
+    while at >= 0:
+        if at + F.HEADER_SIZE <= len(data):
+            try:
+                if F.decode_frame(data[at:at + F.HEADER_SIZE + data[at + 3] + F.CRC_SIZE]) == frame:
+                    return True
+            except FrameError:
+                pass
+        at = data.find(F.MAGIC, at + 1)
+    return False
+
+
+# The chance match hypothesis found (2026-12-06): frame 6 cut after its reading's first value byte, then noise;
+# the length field reaches 3 bytes into the noise and its last two bytes pass as the CRC.
+CRC_MATCH = [("frame", (0, {}), 0)] * 6 + [("cut", (41, {"bee_traffic": 82}), 16), ("noise", b"\xbe\xe5\x08", 0)]
+
+
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(segment, max_size=14), st.lists(st.integers(1, 80), max_size=30))
+@example(CRC_MATCH, [])
 def test_every_intact_frame_in_noise_is_recovered_exactly_once(segments, chunks):
+    """The intact frames come out exactly once, in order. Any other frame must be one the stream really
+    holds, a window whose CRC-16 matches by chance: a truncated frame followed by noise did once (a 1 in
+    65,536 match: device 41, seq 6, its last reading and CRC read from the next segment's bytes)."""
     data, intact = build_stream(segments)
     got, r = feed_all(data, chunks)
-    assert [(f.device_id, f.seq) for f in got] == [(d, s) for d, s, _ in intact]
-    assert [f.readings for f in got] == [rd for _, _, rd in intact]
-    assert r.counters.frames_ok == len(intact) and r.pending == 0
+    wanted = [(d, s) for d, s, _ in intact]
+    recovered = [f for f in got if (f.device_id, f.seq) in wanted]
+    assert [(f.device_id, f.seq) for f in recovered] == wanted
+    assert [f.readings for f in recovered] == [rd for _, _, rd in intact]
+    assert all(in_stream(f, data) for f in got if (f.device_id, f.seq) not in wanted)
+    assert r.counters.frames_ok == len(got) and r.pending == 0
 
 
 @settings(max_examples=300, deadline=None)
