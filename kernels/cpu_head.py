@@ -2,8 +2,8 @@
 candidates are computed again from the head's own weight.
 
 Why: the LM head of a small model is a large matmul (SmolLM2: 49,152 x 576, 56.6 MB in bf16) that every
-decode step runs for every row. oneDNN's bf16 GEMM took 3.4-3.7 ms for 14 rows; the grouped int8 kernel
-(``apiary.kernels.cpu_int8_gemm``) 1.2-1.4 ms. But int8 logits are off by up to ~0.05, and taken as they
+decode step runs for every row. oneDNN's bf16 GEMM took 3.2-3.8 ms for 14 rows; the grouped int8 kernel
+(``apiary.kernels.cpu_int8_gemm``) 1.2-1.5 ms. But int8 logits are off by up to ~0.05, and taken as they
 are they moved the engine's teacher-forced agreement with float32 from 98.6% to 97.2% (docs/engine.md).
 A token can only be chosen, or reported among the top logprobs, if its logit is near the row's top: so
 ``refine`` takes each row's ``k`` largest approximate logits, and, for a row under a grammar, the ``k``
@@ -26,8 +26,9 @@ from apiary.kernels.cpu_layers import _np
 
 CANDIDATES = 32  # per row and selection; the int8 head's error (~0.05) is far below the gap to the 32nd
 CHUNK = 16  # logits per maximum that ``_select`` tests before it looks at them one by one
-# numba inlines a function with its caller's flags, so every function here has these: fast math that lets
-# LLVM vectorise the chunks' maxima and the dot products, but not "ninf" (the selection compares with -inf)
+# numba inlines a function with its caller's flags, so every function here with float math has these: fast
+# math that lets LLVM vectorise the chunks' maxima and the dot products, but not "ninf" (the selection compares
+# with -inf)
 FAST = {"nnan", "nsz", "arcp", "contract", "reassoc", "afn"}
 
 

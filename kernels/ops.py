@@ -531,7 +531,7 @@ def refine_logits(hidden: torch.Tensor, weight: torch.Tensor, logits: torch.Tens
                   bitmask: torch.Tensor | None = None, candidates: int | None = None) -> torch.Tensor:
     """Logits of an approximate LM head made exact where they can win, in place: each row's ``candidates``
     largest, and where the grammar's ``bitmask`` ``[rows, W]`` (int32, bit j of word w: token 32w + j) restricts
-    the row, its largest allowed ones, become ``hidden @ weight.T`` rounded to ``weight``'s dtype
+    the row, its largest allowed ones, become ``hidden @ weight.T`` summed in float32, not rounded
     (``apiary.kernels.cpu_head``). ``hidden [rows, H]`` and ``weight [V, H]`` float32 or bfloat16, ``logits
     [rows, V]`` float32, all on the CPU. Returns ``logits``."""
     from apiary.kernels import cpu_head  # imports numba: only once an approximate head runs
