@@ -366,7 +366,8 @@ def test_disconnects_abort_every_choice(server, cloud_engine, idle_engine):  # n
 def test_an_int8_server_decodes_through_its_run_of_layers(tmp_path, keys, gguf_path, monkeypatch):
     """`apiary cloud serve --weights int8`'s engine behind the REST door: concurrent streamed chats decode through
     the run of int8 layers in one call (``CpuStep.int8_layers``), and answer, token for token and logprob for
-    logprob, what the per-layer path answers once the run is switched off."""
+    logprob, what the per-layer path answers once the run is switched off; a JSON-schema answer through the LM head
+    that ranks in int8 (handed the grammar's bitmask) is a document of its schema."""
     import concurrent.futures
 
     import openai
@@ -382,6 +383,8 @@ def test_an_int8_server_decodes_through_its_run_of_layers(tmp_path, keys, gguf_p
     through = cpu_layers.CpuStep.int8_layers
     monkeypatch.setattr(cpu_layers.CpuStep, "int8_layers", lambda *a: calls.append(1) or through(*a))
     llm = LLMEngine(EngineConfig(model_path=gguf_path, weights="int8", max_num_seqs=4, kv_cache_bytes=64 << 20))
+    assert isinstance(llm.runner.model.head, int8.RefinedHead)
+    refined = int8.RefinedHead.__call__
     engine = AsyncEngine(llm)
     service = CloudService(CloudSettings(port=0, db=str(tmp_path / "cloud.db"), api_key_file=str(keys.path),
                                          generate_key="never", images=str(tmp_path / "images"), model=str(gguf_path),
@@ -409,6 +412,17 @@ def test_an_int8_server_decodes_through_its_run_of_layers(tmp_path, keys, gguf_p
         layered = all_answers()
         model.int8_stack = stack
         assert not calls and layered == fused
+        # A structured answer: the step's grammar bitmask reaches the head, which ranks in int8 (int8.RefinedHead)
+        masks = []
+        head = model.head
+        monkeypatch.setattr(type(head), "__call__", lambda self, h, allowed=None: masks.append(allowed) or
+                            refined(self, h, allowed))
+        fmt = {"type": "json_schema", "json_schema": {"name": "hive", "strict": True, "schema": HIVE_SCHEMA}}
+        done = oa.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Describe a "
+                                          "beehive as JSON."}], max_tokens=40, temperature=0, response_format=fmt)
+        assert done.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(done.choices[0].message.content), HIVE_SCHEMA)
+        assert any(m is not None for m in masks)
     finally:
         service.stop()
         engine.shutdown()
