@@ -101,11 +101,10 @@ def _refine(x, weight, logits, bitmask, masked, k, chosen):  # type: ignore[no-u
 
 
 def refine(x: torch.Tensor, weight: torch.Tensor, logits: torch.Tensor, bitmask: torch.Tensor | None,
-           k: int = CANDIDATES) -> np.ndarray:
+           k: int = CANDIDATES) -> None:
     """Refine ``logits [rows, V]`` (float32, in place) from ``x [rows, H]`` and ``weight [V, H]`` (contiguous
     float32 or bf16), over each row's ``k`` best (and, where ``bitmask [rows, W]`` (int32) is not all ones, its
-    ``k`` best allowed). Returns the candidates ``[rows, 2k]`` (-1: none). Callers check shapes and dtypes
-    (``apiary.kernels.ops.refine_logits``)."""
+    ``k`` best allowed). Callers check shapes and dtypes (``apiary.kernels.ops.refine_logits``)."""
     rows = logits.shape[0]
     k = min(k, logits.shape[1])
     if bitmask is None:
@@ -115,4 +114,3 @@ def refine(x: torch.Tensor, weight: torch.Tensor, logits: torch.Tensor, bitmask:
         masked = (words != -1).any(axis=1) | (words.shape[1] * 32 < logits.shape[1])
     chosen = np.empty((rows, 2 * k), np.int64)
     _refine(_np(x), _np(weight), logits.numpy(), words, masked, k, chosen)
-    return chosen
