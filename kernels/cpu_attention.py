@@ -75,6 +75,14 @@ def _i32_bits_as_f32(typingctx, bits):  # type: ignore[no-untyped-def]
     return signature, codegen
 
 
+def follow_torch_threads() -> None:
+    """numba's thread count for this calling thread set to torch's (capped at numba's pool): the kernels run on as
+    many threads as the engine gave torch. Per calling thread, as numba keeps it (the async engine steps in its own)."""
+    want = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    if numba.get_num_threads() != want:
+        numba.set_num_threads(want)
+
+
 def _data(context, builder, array_type, array):  # type: ignore[no-untyped-def]
     """The data pointer of a numba array value (float32 elements)."""
     return context.make_array(array_type)(context, builder, array).data
@@ -848,8 +856,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise KernelError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     out = np.empty(tuple(q.shape), np.float32)
     if q.shape[0]:
-        # numba's thread count is per calling thread (the async engine steps in its own thread).
-        numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+        follow_torch_threads()
         scales = (k_scale.numpy(), v_scale.numpy()) if quantized else (_NO_SCALES, _NO_SCALES)
         kernel = _decode_kernel(*decode_kernel_key(q.shape[1], k_cache.shape[2], q.shape[2]))
         kernel(q.float().contiguous().numpy(), _cache_array(k_cache), _cache_array(v_cache), *scales, quantized,
@@ -872,7 +879,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """
     out = np.zeros(tuple(q.shape), np.float32)
     if seqs.numel():
-        numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+        follow_torch_threads()
         quantized = k_cache.dtype == torch.int8
         scales = (k_scale.numpy(), v_scale.numpy()) if quantized else (_NO_SCALES, _NO_SCALES)
         cu = cu_seqlens_q.to(torch.int32).contiguous()

@@ -48,7 +48,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from apiary.kernels.cpu_attention import _as_f32, _close_loop, _data, _exp, _open_loop, _splat
+from apiary.kernels.cpu_attention import _as_f32, _close_loop, _data, _exp, _open_loop, _splat, follow_torch_threads
 from apiary.kernels.errors import KernelError
 
 GROUP = 64  # inputs per scale, both sides (32: no consistent gain in agreement, twice the float work per vpdpbusd)
@@ -198,9 +198,7 @@ class Bound:
         m, n = x.shape[0], weight.packed.shape[0] * TILE
         if m == 0:
             return x.new_empty((0, weight.out_features))
-        want = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
-        if numba.get_num_threads() != want:
-            numba.set_num_threads(max(1, want))
+        follow_torch_threads()
         x = x.contiguous()
         if x.dtype == torch.bfloat16:
             bits = np.empty((m, n), np.int16)

@@ -1,7 +1,9 @@
 """Random paged-attention cases and a naive dense float64 oracle shared by the kernel tests."""
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -98,3 +100,17 @@ def quantize_case(case: PagedCase) -> Int8Case:
     deq = replace(case, k_cache=(k.float() * ks[..., None]).to(case.q.dtype),
                   v_cache=(v.float() * vs[..., None]).to(case.q.dtype))
     return Int8Case(k, v, ks, vs, deq)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's thread count set to ``n`` (at most numba's pool) for a block: the CPU kernels follow torch's count."""
+    import numba
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from apiary.kernels import ops
 from apiary.kernels.errors import KernelError
+from tests.kernels.cases import torch_threads
 
 pytestmark = pytest.mark.skipif(not ops.grouped_int8_available(),
                                 reason="neither AVX-512 VNNI nor AVX2 here: the grouped int8 kernel does not run")
@@ -108,12 +109,8 @@ def test_thread_counts_agree(gemm, threads: int) -> None:  # type: ignore[no-unt
     g = torch.Generator().manual_seed(3)
     w, x = torch.randn(96, 320, generator=g), torch.randn(37, 320, generator=g)
     packed = gemm.quantize_weight(w)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    with torch_threads(threads):
         got = gemm.linear(x, packed)
-    finally:
-        torch.set_num_threads(before)
     assert torch.equal(got, gemm.linear(x, packed))  # each output is one tile's own sum: no reduction order
 
 
