@@ -3,7 +3,8 @@
 ``auto`` (the default) runs the Triton kernels on CUDA tensors and the torch references
 (``apiary.kernels.reference``) everywhere else, except decode attention on CPU, which the numba
 kernel (``apiary.kernels.cpu_attention``) serves for float32, bfloat16 and int8 caches (``decode_backend``),
-per-row int8 quantization of CPU batches (``quantize_rows``, ``apiary.kernels.cpu_quant``), and
+per-row int8 quantization of CPU batches (``quantize_rows``, ``apiary.kernels.cpu_quant``), bf16
+projections where numba compiles ``vdpbf16ps`` (``bind_bf16_linear``, ``apiary.kernels.cpu_bf16_gemm``), and
 RMSNorm, rotary and the float KV write of CPU float32/bfloat16 tensors (``apiary.kernels.cpu_layers``).
 ``cpu_step`` hands a CPU forward pass those kernels checked once for all its layers
 (``apiary.kernels.cpu_layers.CpuStep``): at decode sizes the per-call checks and views cost ten times the
@@ -505,6 +506,33 @@ def stack_int8_layers(first: int, layers: list[dict[str, GroupedWeight]], input_
     from apiary.kernels import cpu_int8_layers
 
     return cpu_int8_layers.stack(first, layers, input_norms, post_norms, kernel)
+
+
+def bf16_gemm_available() -> bool:
+    """The bf16 GEMM (``apiary.kernels.cpu_bf16_gemm``) serves CPU layers here: the ``auto`` backend, numba installed
+    and compiling for ``avx512bf16``."""
+    if get_backend() != "auto" or not numba_available():
+        return False
+    from apiary.kernels import cpu_bf16_gemm  # imports numba: only once a bf16 CPU engine or layer asks
+
+    return cpu_bf16_gemm.available()
+
+
+def bind_bf16_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``f(x) = x @ weight.T + bias`` through the bf16 GEMM (``apiary.kernels.cpu_bf16_gemm``: ``vdpbf16ps``, float32
+    sums rounded once, as oneDNN's), for a bf16 CPU weight a layer calls every step; None where that kernel does
+    not run (another backend forced, no numba, a CPU numba does not compile ``avx512bf16`` for, another dtype or
+    device), so the caller keeps its own path. ``f`` takes 2-D bf16 CPU rows of ``weight``'s input width."""
+    _check_tensor("weight", weight, 2, float_=True)
+    if bias is not None:
+        _check_tensor("bias", bias, 1, float_=True)
+        _check(bias.shape[0] == weight.shape[0], lambda: f"bias has {bias.shape[0]} values for {weight.shape[0]} outputs")
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not bf16_gemm_available():
+        return None
+    from apiary.kernels import cpu_bf16_gemm
+
+    packed = cpu_bf16_gemm.pack(weight, bias)
+    return functools.partial(cpu_bf16_gemm.linear, weight=packed)
 
 
 def grouped_int8_reference(x: torch.Tensor, weight: GroupedWeight) -> torch.Tensor:

@@ -1,5 +1,10 @@
 """A linear layer whose weight is prepacked for the CPU GEMM when that pays.
 
+bf16 on a CPU where numba compiles ``vdpbf16ps`` (AVX-512 BF16): our own kernel
+(``apiary.kernels.cpu_bf16_gemm`` through ``ops.bind_bf16_linear``), 1.2-1.6x oneDNN's at decode's 1-64
+rows and level with it at prompt sizes; its float32 sums are rounded once as oneDNN's are, but in another
+order, so ~0.02% of outputs are one bf16 ulp from ``F.linear``'s. Elsewhere, oneDNN with the weight packed:
+
 Why: ``F.linear`` on bfloat16 CPU tensors hands the weight to oneDNN in plain layout, and oneDNN
 re-lays it out on every call. Packing it once at load (``torch.ops.mkldnn._reorder_linear_weight``,
 what inductor's freezing pass does) measured 1.4-1.7x faster on this model's matmuls at the
@@ -12,13 +17,13 @@ not the speed path (the engine's ``auto`` dtype is float32 there), and the probe
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from apiary.kernels import cpu
+from apiary.kernels import cpu, ops
 
 
 def _pack(weight: torch.Tensor, bias: torch.Tensor | None, flags: Iterable[str] | None) -> torch.Tensor | None:
@@ -45,15 +50,30 @@ class Linear:
 
     weight: torch.Tensor
     bias: torch.Tensor | None = None
-    packed: torch.Tensor | None = None
+    packed: torch.Tensor | None = None  # oneDNN's layout
+    kernel: Callable[[torch.Tensor], torch.Tensor] | None = None  # the bf16 GEMM, bound to this weight
 
     @classmethod
     def of(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, flags: Iterable[str] | None = None) -> Linear:
-        """``flags``: the CPU's features (default: this host's, ``apiary.kernels.cpu.host_flags``)."""
-        return cls(weight, bias, _pack(weight, bias, flags))
+        """``flags``: the CPU's features (default: this host's, ``apiary.kernels.cpu.host_flags``); the bf16 kernel
+        needs native bf16 there as well as in what numba compiles for."""
+        native = weight.dtype == torch.bfloat16 and cpu.native_bf16(cpu.host_flags() if flags is None else flags)
+        kernel = ops.bind_bf16_linear(weight, bias) if native else None
+        return cls(weight, bias, None if kernel is not None else _pack(weight, bias, flags), kernel)
+
+    @property
+    def path(self) -> str:
+        """Which GEMM 2-D inputs of the weight's dtype take (for the engine's load log)."""
+        if self.kernel is not None:
+            return "our bf16 kernel (vdpbf16ps, kernels/cpu_bf16_gemm.py)"
+        return "oneDNN, weight prepacked" if self.packed is not None else "F.linear"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None or x.dim() != 2 or x.shape[0] == 0 or x.dtype != self.weight.dtype:
+        if x.dim() != 2 or x.shape[0] == 0 or x.dtype != self.weight.dtype:
+            return F.linear(x, self.weight, self.bias)
+        if self.kernel is not None:
+            return self.kernel(x)
+        if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 

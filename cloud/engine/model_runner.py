@@ -15,6 +15,7 @@ from apiary.cloud.engine.errors import EngineError
 from apiary.cloud.engine import host_memory, int8, threads
 from apiary.cloud.engine.cuda_graphs import DecodeGraphs
 from apiary.cloud.engine.kv_cache import KVPool, bytes_per_token
+from apiary.cloud.engine.linear import Linear
 from apiary.cloud.engine.loader import Checkpoint
 from apiary.cloud.engine.model import AttentionMetadata, LlamaModel, paged_layout
 from apiary.cloud.engine.sampling import Row
@@ -74,6 +75,8 @@ class ModelRunner:
         mc = self.model_config = checkpoint.config
         self.model = LlamaModel(mc, checkpoint.weights, self.device, self.dtype, max_positions=max_model_len,
                                 cpu_attention_backend=config.cpu_attention)
+        if self.device.type == "cpu" and self.model.layers and isinstance(self.model.layers[0].qkv, Linear):
+            log.info("%s projections: %s", str(self.dtype).removeprefix("torch."), self.model.layers[0].qkv.path)
         if config.weights == "int8":
             self._quantize(config, checkpoint)
         quantized_kv = config.kv_cache_dtype == "int8"

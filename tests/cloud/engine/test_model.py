@@ -1,6 +1,7 @@
 """The model against independent references: transformers (same weights) and llama.cpp (same GGUF)."""
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import torch
 
 from apiary.cloud.engine import EngineConfig, LLMEngine
 from apiary.cloud.engine.errors import EngineError
-from apiary.kernels import cpu
+from apiary.kernels import cpu, ops
 from tests.cloud.engine.conftest import attention_calls, prompt_logits
 
 PROMPT = ("<|im_start|>user\nThe hive scale reads 41.3 kg, up 0.8 kg since yesterday; humidity 61%. "
@@ -117,14 +118,17 @@ def test_real_model_agrees_with_llama_cpp(real_engine: LLMEngine, gguf_path: Pat
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_real_model_bfloat16_tracks_float32(real_engine: LLMEngine, gguf_path: Path) -> None:
-    """The benchmarks' serving dtype: bf16 (oneDNN-prepacked weights on CPUs with native bf16, plain
-    F.linear on others) picks the fp32 engine's next token almost everywhere, the differences being
-    near-ties, in one pass and in chunks."""
+    """The benchmarks' serving dtype: bf16 (our vdpbf16ps kernel where numba compiles it, oneDNN-prepacked
+    weights on other CPUs with native bf16, plain F.linear elsewhere) picks the fp32 engine's next token almost
+    everywhere, the differences being near-ties, in one pass and in chunks."""
     bf16 = LLMEngine(EngineConfig(model_path=gguf_path, dtype="bfloat16", kv_cache_bytes=64 << 20))
-    # Packed where the CPU computes bf16 natively; elsewhere (AVX2 hosts) the F.linear fallback is what is tested.
-    assert all(layer.qkv.packed is not None for layer in bf16.runner.model.layers) == (
-        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and cpu.native_bf16(cpu.host_flags()) is not None)
+    # The path this host takes is the one tested (AVX2 hosts: the F.linear fallback).
+    native = cpu.native_bf16(cpu.host_flags()) is not None
+    kernel = native and ops.numba_available() and importlib.import_module("apiary.kernels.cpu_bf16_gemm").available()
+    packable = native and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    for layer in bf16.runner.model.layers:
+        for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down, bf16.runner.model.head):
+            assert (linear.kernel is not None, linear.packed is not None) == (kernel, packable and not kernel)
     ids = real_engine.tokenizer.encode(PROMPT)
     _, reference = prompt_logits(real_engine, ids, use_prefix_cache=False)
     _, whole = prompt_logits(bf16, ids, use_prefix_cache=False)
