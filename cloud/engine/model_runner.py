@@ -54,8 +54,11 @@ class ModelRunner:
         self.throttle: threads.SpinThrottle | None = None
         if self.device.type == "cpu":
             host_memory.keep_freed_memory()
-            # The configured count, else torch's current one capped at the CPUs available.
-            n = threads.apply(config.num_threads, numba_on_tbb=config.weights == "int8")
+            # The configured count, else torch's current one capped at the CPUs available. numba's loops go to
+            # oneTBB's pool where numba runs the projections: int8 weights, or bf16 ones through our bf16 kernel.
+            bf16_kernel = (resolve_dtype(config, self.device) == torch.bfloat16 and ops.bf16_gemm_available()
+                           and cpu.native_bf16(cpu.host_flags()) is not None)  # as Linear.of decides
+            n = threads.apply(config.num_threads, numba_on_tbb=config.weights == "int8" or bf16_kernel)
             if threads.STATE.waits == "adaptive" and n > 1:
                 # Spinning waits while the CPU is the engine's, sleeping ones while others use a core.
                 throttle = self.throttle = threads.SpinThrottle(n)

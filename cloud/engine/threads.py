@@ -26,11 +26,12 @@ operator set the variables already:
 libgomp reads these once, when it loads: if torch was imported before ``apiary.cloud.engine``, its
 pool keeps whatever it started with, and ``report()`` says so.
 
-With int8 weights numba's kernels run the projections, and their loops go to oneTBB's pool where the
-``tbb`` wheel is installed (``kernels.numba_threads``): there a parallel loop's start and end cost
-microseconds without spinning, where numba's libgomp with passive waits cost ~50 us each (such a decode
-step runs ~270 of them). Other engines keep numba on its libgomp with the policies above: TBB's
-yielding workers took CPU from torch's threads when the CPU was shared.
+Where numba's kernels run the projections (int8 weights; bf16 ones on CPUs numba compiles ``vdpbf16ps``
+for, ``kernels.cpu_bf16_gemm``), their loops go to oneTBB's pool where the ``tbb`` wheel is installed
+(``kernels.numba_threads``): there a parallel loop's start and end cost microseconds without spinning,
+where numba's libgomp with passive waits cost ~50 us each (such a decode step runs ~270 of them). Other
+engines (torch's GEMMs: float32, bf16 through oneDNN) keep numba on its libgomp with the policies above:
+TBB's yielding workers took CPU from torch's threads when the CPU was shared.
 """
 from __future__ import annotations
 
@@ -150,7 +151,7 @@ def apply(num_threads: int | None, numba_on_tbb: bool = False) -> int:
     """At engine load on CPU: torch's intra-op threads, ``num_threads`` if given, else torch's current
     count capped at the CPUs available (a caller that chose fewer keeps them). numba's decode
     kernel follows torch's count (``apiary.kernels.cpu_attention``). ``numba_on_tbb``: numba runs the
-    projections (int8 weights), so its loops go to oneTBB's pool where the wheel is installed
+    projections (int8 weights, or bf16 through ``kernels.cpu_bf16_gemm``), so its loops go to oneTBB's pool where the wheel is installed
     (``kernels.numba_threads``); the first engine in a process decides, before numba's first loop."""
     import torch
 
@@ -158,7 +159,7 @@ def apply(num_threads: int | None, numba_on_tbb: bool = False) -> int:
 
     if numba_on_tbb:
         if numba_threads.layer() not in ("not started", "tbb"):
-            log.warning("numba's kernels already run on %s in this process; the int8 GEMM keeps it",
+            log.warning("numba's kernels already run on %s in this process; the projections' GEMM keeps it",
                         numba_threads.describe())
         else:
             numba_threads.prepare()

@@ -312,22 +312,25 @@ def test_adaptive_waits_named_in_the_environment_reach_a_fresh_engine(tiny_llama
     assert "APIARY_CPU_WAITS=adaptive" in line
 
 
-@pytest.mark.parametrize("weights", ["dtype", "int8"])
-def test_int8_engines_run_numba_on_tbbs_pool_and_others_on_libgomp(tiny_llama: Path, weights: str) -> None:
-    """In a fresh interpreter: an int8 engine (numba runs its projections) takes oneTBB's pool where the wheel is
-    installed; one with weights in its dtype (torch's oneDNN runs them) leaves numba on libgomp."""
+@pytest.mark.parametrize(("dtype", "weights"), [("float32", "dtype"), ("bfloat16", "dtype"), ("auto", "int8")])
+def test_engines_whose_projections_numba_runs_take_tbbs_pool(tiny_llama: Path, dtype: str, weights: str) -> None:
+    """In a fresh interpreter: where numba runs the projections (int8 weights; bf16 ones through the vdpbf16ps
+    kernel) the engine takes oneTBB's pool where the wheel is installed; where torch runs them (float32, or bf16
+    through oneDNN on a CPU numba does not compile vdpbf16ps for) numba stays on libgomp."""
     import json
     import subprocess
     import sys
 
-    from apiary.kernels import numba_threads
+    from apiary.kernels import numba_threads, ops
 
+    numba_projections = weights == "int8" or (dtype == "bfloat16" and ops.bf16_gemm_available()
+                                             and cpu.native_bf16(cpu.host_flags()) is not None)
     if weights == "int8":
         from apiary.cloud.engine import int8
 
         if int8.gemm_choice().backend is None:
             pytest.skip(f"no fast int8 GEMM here: {int8.gemm_choice().reason}")
-    else:
+    elif not numba_projections:
         import ctypes.util
 
         if ctypes.util.find_library("tbb"):
@@ -335,11 +338,12 @@ def test_int8_engines_run_numba_on_tbbs_pool_and_others_on_libgomp(tiny_llama: P
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
     code = ("import json; from apiary.cloud.engine import EngineConfig, LLMEngine, SamplingParams; "
             "from apiary.kernels import numba_threads; "
-            f"e = LLMEngine(EngineConfig(model_path={str(tiny_llama)!r}, kv_cache_bytes=1 << 20, weights={weights!r})); "
+            f"e = LLMEngine(EngineConfig(model_path={str(tiny_llama)!r}, kv_cache_bytes=1 << 20, dtype={dtype!r}, "
+            f"weights={weights!r})); "
             "out = e.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True)); "
             "print(json.dumps([numba_threads.layer(), len(out[0].output_token_ids)]))")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     layer, n = json.loads(done.stdout.splitlines()[-1])
-    want = "tbb" if weights == "int8" and numba_threads.tbb_library() is not None else "omp"
+    want = "tbb" if numba_projections and numba_threads.tbb_library() is not None else "omp"
     assert layer == want and n == 3
