@@ -275,6 +275,7 @@ def command(
 ) -> None:
     # cloud.engine first: it sets the OpenMP wait policy and thread counts before torch loads.
     from apiary.cloud.engine import EngineConfig, LLMEngine, threads as engine_threads
+    from apiary.cloud.engine.model_runner import numba_runs_projections
 
     import torch
 
@@ -292,9 +293,10 @@ def command(
         raise typer.BadParameter(f"no llama-server at {llama_server_binary}: run bash deploy/build_llama_server.sh, "
                                  "or pass --llama-server with the path of a build", param_hint="--llama-server")
     int8_systems = [s for s in chosen if s.startswith("engine-int8") or s == "cloud-http-int8"]
-    if any(s.startswith("engine-int8") for s in chosen):
-        # numba's pool is per process and chosen at its first parallel loop (the probe below): an int8 engine
-        # runs numba on oneTBB's pool, so in this run every in-process engine does (the table's CPU line says so)
+    if any(s.startswith("engine-int8") for s in chosen) or numba_runs_projections(EngineConfig(model_path="-", dtype=dtype)):
+        # numba's pool is per process and chosen at its first parallel loop (the probe below): an engine whose
+        # projections numba runs (int8, or bf16 through the vdpbf16ps kernel; the run always builds a `--dtype`
+        # engine) takes oneTBB's pool, so in this run every in-process engine does (the table's CPU line says so)
         from apiary.kernels import numba_threads
 
         numba_threads.prepare()
@@ -449,7 +451,8 @@ def command(
                    f"{clients} clients; to compare the engine with its HTTP door, add --max-num-seqs {clients}")
     if any(s in HTTP_SYSTEMS for s in results):
         typer.echo("note: the CPU line names this process's numba pool; each HTTP server chooses its own (oneTBB's "
-                   "with --weights int8, libgomp otherwise: kernels/numba_threads.py) and logs it")
+                   "where numba runs the projections: int8, or bf16 through the vdpbf16ps kernel; libgomp otherwise: "
+                   "kernels/numba_threads.py) and logs it")
     beside = f", {background} busy processes beside each run" if background else ""
     report("engine", f"Engine throughput: {len(work)} requests, prompts {p_lo}-{p_hi} tok, outputs {o_lo}-{o_hi} tok"
            f"{beside}",

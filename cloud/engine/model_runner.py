@@ -42,6 +42,15 @@ def resolve_dtype(config: EngineConfig, device: torch.device, flags: Iterable[st
     return torch.bfloat16 if cpu.native_bf16(cpu.host_flags() if flags is None else flags) else torch.float32
 
 
+def numba_runs_projections(config: EngineConfig) -> bool:
+    """Whether a CPU engine's projections run in numba's kernels (int8 weights, or bf16 ones through the vdpbf16ps
+    kernel, decided as ``Linear.of`` decides): then numba's loops go to oneTBB's pool (``threads.apply``)."""
+    if config.weights == "int8":
+        return True
+    return (resolve_dtype(config, torch.device("cpu")) == torch.bfloat16 and cpu.native_bf16(cpu.host_flags()) is not None
+            and ops.bf16_gemm_available())
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint, max_model_len: int) -> None:
         try:
@@ -54,11 +63,8 @@ class ModelRunner:
         self.throttle: threads.SpinThrottle | None = None
         if self.device.type == "cpu":
             host_memory.keep_freed_memory()
-            # The configured count, else torch's current one capped at the CPUs available. numba's loops go to
-            # oneTBB's pool where numba runs the projections: int8 weights, or bf16 ones through our bf16 kernel.
-            bf16_kernel = (resolve_dtype(config, self.device) == torch.bfloat16 and ops.bf16_gemm_available()
-                           and cpu.native_bf16(cpu.host_flags()) is not None)  # as Linear.of decides
-            n = threads.apply(config.num_threads, numba_on_tbb=config.weights == "int8" or bf16_kernel)
+            # The configured count, else torch's current one capped at the CPUs available.
+            n = threads.apply(config.num_threads, numba_on_tbb=numba_runs_projections(config))
             if threads.STATE.waits == "adaptive" and n > 1:
                 # Spinning waits while the CPU is the engine's, sleeping ones while others use a core.
                 throttle = self.throttle = threads.SpinThrottle(n)
