@@ -1,10 +1,11 @@
 """bf16 GEMM for CPUs with AVX-512 BF16 (``vdpbf16ps``): the engine's bf16 projections, at every batch size.
 
 Why: oneDNN's bf16 linear (weights prepacked, ``cloud.engine.linear``) reads a decode step's weights at
-~11 GB/s on the 2-core Zen 4 host: 30 layers of SmolLM2-135M's projections at 14 rows took 19 ms, while
-this kernel takes 13.6-15 ms (1.3-1.4x), and at 1-64 rows 1.2-1.6x (docs/kernels.md "bf16 GEMM"). Decode
-steps of a bf16 engine are mostly these projections, so this is the default engine's decode speed. At
-prompt sizes (384 rows) both run near the bf16 floor (424 against 406 GFLOP/s), so one kernel serves all.
+10-12 GB/s on the 2-core Zen 4 host with the engine's passive OpenMP waits: 30 layers of SmolLM2-135M's
+projections at 14 rows took 19.4 ms, this kernel 11.7 ms (1.67x; 1.6-1.9x at 1-16 rows, 1.2x at 64:
+``apiary bench gemm``, docs/kernels.md "bf16 GEMM"). Decode steps of a bf16 engine are mostly these
+projections, so this is the default engine's decode speed. At prompt sizes (384 rows) both run at the
+bf16 floor's rate (418 against 393 GFLOP/s), so one kernel serves every batch size.
 
 The product: ``vdpbf16ps`` takes 16 float32 lanes (16 outputs) and adds to each two bf16 x bf16 products, a
 weight pair and the same activation pair broadcast to every lane. Products of two bf16 are exact in

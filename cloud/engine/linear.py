@@ -1,8 +1,8 @@
 """A linear layer whose weight is prepacked for the CPU GEMM when that pays.
 
 bf16 on a CPU where numba compiles ``vdpbf16ps`` (AVX-512 BF16): our own kernel
-(``apiary.kernels.cpu_bf16_gemm`` through ``ops.bind_bf16_linear``), 1.2-1.6x oneDNN's at decode's 1-64
-rows and level with it at prompt sizes; its float32 sums are rounded once as oneDNN's are, but in another
+(``apiary.kernels.cpu_bf16_gemm`` through ``ops.bind_bf16_linear``), 1.6-1.9x oneDNN's at decode's 1-16
+rows, 1.2x at 64 and level with it at prompt sizes; its float32 sums are rounded once as oneDNN's are, but in another
 order, so ~0.02% of outputs are one bf16 ulp from ``F.linear``'s. Elsewhere, oneDNN with the weight packed:
 
 Why: ``F.linear`` on bfloat16 CPU tensors hands the weight to oneDNN in plain layout, and oneDNN
