@@ -236,7 +236,7 @@ def matmul_floors(results: dict[str, Result], engines: dict[str, Any], dtype: st
         torch_dtype = torch.float32 if key == "float32" else engine.runner.dtype
         name = str(torch_dtype).removeprefix("torch.")
         if name not in rates:
-            rates[name] = floor.matmul_gflops(mc, torch_dtype)
+            rates[name] = floor.matmul_gflops_fresh(mc, torch_dtype, torch.get_num_threads())
         reqs = seq_work if system == "engine-bs1" else work
         flops = floor.workload_flops(mc, sum(len(r.prompt) for r in reqs), sum(r.max_tokens for r in reqs), len(reqs))
         out[system] = {"dtype": name, "gflops": round(rates[name], 1), "workload_gflop": round(flops / 1e9, 1),
@@ -293,7 +293,8 @@ def command(
         raise typer.BadParameter(f"no llama-server at {llama_server_binary}: run bash deploy/build_llama_server.sh, "
                                  "or pass --llama-server with the path of a build", param_hint="--llama-server")
     int8_systems = [s for s in chosen if s.startswith("engine-int8") or s == "cloud-http-int8"]
-    if any(s.startswith("engine-int8") for s in chosen) or numba_runs_projections(EngineConfig(model_path="-", dtype=dtype)):
+    in_process_int8 = any(s.startswith("engine-int8") for s in chosen)
+    if in_process_int8 or numba_runs_projections(EngineConfig(model_path="-", dtype=dtype)):
         # numba's pool is per process and chosen at its first parallel loop (the probe below): an engine whose
         # projections numba runs (int8, or bf16 through the vdpbf16ps kernel; the run always builds a `--dtype`
         # engine) takes oneTBB's pool, so in this run every in-process engine does (the table's CPU line says so)

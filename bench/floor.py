@@ -53,3 +53,23 @@ def matmul_gflops(mc: Any, dtype: Any, seconds: float = 1.5) -> float:
                 F.linear(x[i], weight)
             calls += 1
     return flops * calls / elapsed / 1e9
+
+
+def matmul_gflops_fresh(mc: Any, dtype: Any, threads: int, seconds: float = 1.5) -> float:
+    """``matmul_gflops`` measured in a fresh interpreter with the engine's thread settings and ``threads`` torch
+    threads. Why: in a benchmark process that has run numba's kernels on oneTBB's pool, TBB's idle workers
+    took CPU from torch's threads and the same probe measured 335-376 GFLOP/s against 376-387, which would
+    flatter every "% of floor" figure."""
+    import json
+    import subprocess
+    import sys
+
+    fields = {k: getattr(mc, k) for k in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim")}
+    code = ("import json, sys; from apiary.cloud.engine import threads; import torch; "
+            "from types import SimpleNamespace; from apiary.bench import floor; "
+            f"torch.set_num_threads({int(threads)}); "
+            f"mc = SimpleNamespace(**json.loads({json.dumps(json.dumps(fields))})); "
+            f"print(floor.matmul_gflops(mc, getattr(torch, {str(dtype).removeprefix('torch.')!r}), {float(seconds)!r}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    return float(done.stdout.strip().splitlines()[-1])
+

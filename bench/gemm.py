@@ -106,7 +106,8 @@ def command(
                 worst = 0.0
                 for (i, _), w, call in zip(shapes, weights[0], calls[0]):
                     x = inputs[i].to(dtype)
-                    exact = x.double() @ w.to(dtype).double().t()  # bf16 operands as held; int8: its quantization error counts
+                    # the operands as held (bf16 rounded); int8's own quantization error counts
+                    exact = x.double() @ w.to(dtype).double().t()
                     worst = max(worst, float(((call(x).double() - exact).norm() / exact.norm())))
                 errors[name] = worst
             times: dict[str, list[float]] = {name: [] for name in found}
@@ -122,7 +123,8 @@ def command(
             for name, (_, _, nbytes) in found.items():
                 t = statistics.median(times[name])
                 table.append([m, name, round(t * 1e3, 2), round(base / t, 2) if base else "-",
-                              round(layers * nbytes / t / 1e9, 1), round(m * flops_per_row / t / 1e9), f"{errors[name]:.1e}"])
+                              round(layers * nbytes / t / 1e9, 1), round(m * flops_per_row / t / 1e9),
+                              f"{errors[name]:.1e}"])
     report("gemm", f"CPU GEMMs on {layers} layers of {Path(str(model or 'smollm2-135m-q4')).name}'s projections "
            f"({engine_threads.STATE.threads} threads)",
            ["rows", "system", "ms", "x onednn-bf16", "weights GB/s", "GFLOP/s", "rel. error vs float64"], table,

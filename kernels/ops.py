@@ -518,7 +518,8 @@ def bf16_gemm_available() -> bool:
     return cpu_bf16_gemm.available()
 
 
-def bind_bf16_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+def bind_bf16_linear(weight: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """``f(x) = x @ weight.T + bias`` through the bf16 GEMM (``apiary.kernels.cpu_bf16_gemm``: ``vdpbf16ps``, float32
     sums rounded once, as oneDNN's), for a bf16 CPU weight a layer calls every step; None where that kernel does
     not run (another backend forced, no numba, a CPU numba does not compile ``avx512bf16`` for, another dtype or

@@ -47,8 +47,8 @@ def numba_runs_projections(config: EngineConfig) -> bool:
     kernel, decided as ``Linear.of`` decides): then numba's loops go to oneTBB's pool (``threads.apply``)."""
     if config.weights == "int8":
         return True
-    return (resolve_dtype(config, torch.device("cpu")) == torch.bfloat16 and cpu.native_bf16(cpu.host_flags()) is not None
-            and ops.bf16_gemm_available())
+    return (resolve_dtype(config, torch.device("cpu")) == torch.bfloat16
+            and cpu.native_bf16(cpu.host_flags()) is not None and ops.bf16_gemm_available())
 
 
 class ModelRunner:

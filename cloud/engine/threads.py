@@ -151,8 +151,9 @@ def apply(num_threads: int | None, numba_on_tbb: bool = False) -> int:
     """At engine load on CPU: torch's intra-op threads, ``num_threads`` if given, else torch's current
     count capped at the CPUs available (a caller that chose fewer keeps them). numba's decode
     kernel follows torch's count (``apiary.kernels.cpu_attention``). ``numba_on_tbb``: numba runs the
-    projections (int8 weights, or bf16 through ``kernels.cpu_bf16_gemm``), so its loops go to oneTBB's pool where the wheel is installed
-    (``kernels.numba_threads``); the first engine in a process decides, before numba's first loop."""
+    projections (int8 weights, or bf16 through ``kernels.cpu_bf16_gemm``), so its loops go to oneTBB's pool
+    where the wheel is installed (``kernels.numba_threads``); the first engine in a process decides, before
+    numba's first loop."""
     import torch
 
     from apiary.kernels import numba_threads

@@ -27,3 +27,8 @@ def test_the_head_runs_once_per_generated_token_and_the_body_for_every_position(
 
 def test_the_measured_rate_is_a_positive_number_of_gflops() -> None:
     assert floor.matmul_gflops(SMOLLM2_135M, torch.float32, seconds=0.2) > 0
+
+
+def test_the_rate_measured_in_a_fresh_process_is_a_positive_number_of_gflops() -> None:
+    assert floor.matmul_gflops_fresh(SMOLLM2_135M, torch.float32, threads=1, seconds=0.2) > 0
+
