@@ -22,6 +22,14 @@ def _bf16_kernel_runs() -> bool:
     return cpu_bf16_gemm.available()
 
 
+def _bf16_case(rows: int, with_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """A bf16 weight [96, 80], maybe a bias, and ``rows`` input rows, seeded by ``rows``."""
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 80, generator=g).to(torch.bfloat16)
+    bias = torch.randn(96, generator=g).to(torch.bfloat16) if with_bias else None
+    return weight, bias, torch.randn(rows, 80, generator=g).to(torch.bfloat16)
+
+
 @pytest.fixture
 def without_numba_kernels():  # type: ignore[no-untyped-def]
     """The torch backend forced, as ``APIARY_KERNELS=torch`` does: layers built now keep oneDNN's packing."""
@@ -35,12 +43,9 @@ def without_numba_kernels():  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_bfloat16_is_bit_identical_to_f_linear(rows: int, with_bias: bool, without_numba_kernels: None) -> None:
-    g = torch.Generator().manual_seed(rows)
-    weight = torch.randn(96, 80, generator=g).to(torch.bfloat16)
-    bias = torch.randn(96, generator=g).to(torch.bfloat16) if with_bias else None
+    weight, bias, x = _bf16_case(rows, with_bias)
     layer = Linear.of(weight, bias)
     assert layer.packed is not None and layer.kernel is None
-    x = torch.randn(rows, 80, generator=g).to(torch.bfloat16)
     with torch.inference_mode():
         assert torch.equal(layer(x), F.linear(x, weight, bias))
 
@@ -52,12 +57,9 @@ def test_bfloat16_takes_our_kernel_within_one_rounding_of_f_linear(rows: int, wi
     """Where the kernel runs, a bf16 layer holds it instead of oneDNN's packing (not both: one copy of the weight)."""
     from apiary.kernels import cpu_bf16_gemm
 
-    g = torch.Generator().manual_seed(rows)
-    weight = torch.randn(96, 80, generator=g).to(torch.bfloat16)
-    bias = torch.randn(96, generator=g).to(torch.bfloat16) if with_bias else None
+    weight, bias, x = _bf16_case(rows, with_bias)
     layer = Linear.of(weight, bias)
     assert layer.kernel is not None and layer.packed is None
-    x = torch.randn(rows, 80, generator=g).to(torch.bfloat16)
     with torch.inference_mode():
         got, ref = layer(x), F.linear(x, weight, bias)
     assert torch.equal(got, cpu_bf16_gemm.linear(x, cpu_bf16_gemm.pack(weight, bias)))
