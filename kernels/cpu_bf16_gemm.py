@@ -36,11 +36,13 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from apiary.kernels.cpu_attention import _close_loop, _data, _open_loop, follow_torch_threads
-from apiary.kernels.cpu_int8_gemm import _numba_target_features, _splat_word, _store_rows
+from apiary.kernels.cpu_int8_gemm import GROUP, TILE, _numba_target_features, _prefetch_group, _splat_word, _store_rows
 from apiary.kernels.errors import KernelError
 
-TILE = 16  # outputs per vector: 16 float32 lanes
-CHUNK = 32  # inputs per step of a micro-tile's loop: 16 weight vectors (1 KB), the unit of prefetching
+# inputs per step of a micro-tile's loop: 16 weight vectors (1 KB, as one group of the int8 kernel's tile), the
+# unit of prefetching (``cpu_int8_gemm._prefetch_group``'s 16 lines)
+CHUNK = 32
+assert CHUNK * 2 == GROUP
 ROWS = 6  # rows per micro-tile (leftovers go as 4, 2, 1): 2 x 6 accumulators, two chains per row
 FEATURES = ("avx512f", "avx512bw", "avx512bf16")  # LLVM's names for what vdpbf16ps needs
 
@@ -153,8 +155,6 @@ def _micro_tile_of(rows: int):  # type: ignore[no-untyped-def]
             fvec, bvec = ir.VectorType(f32, TILE), ir.VectorType(_BFloat(), 2 * TILE)
             dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(fvec, [fvec, bvec, bvec]),
                                                  "llvm.x86.avx512bf16.dpbf16ps.512")
-            prefetch = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0")
             c = lambda v: ir.Constant(i64, v)  # noqa: E731
             row_len = builder.mul(count, c(CHUNK))
             xs = [builder.gep(_data(context, builder, sig.args[3], x_arr), [builder.add(x_at, builder.mul(row_len, c(r)))])
@@ -164,10 +164,7 @@ def _micro_tile_of(rows: int):  # type: ignore[no-untyped-def]
             chunk = builder.phi(i64)
             accs = [builder.phi(fvec) for _ in range(2 * rows)]  # row r: 2r (even pairs), 2r + 1 (odd pairs)
             wc = builder.gep(weights, [builder.mul(chunk, c(CHUNK * TILE))])
-            later = builder.gep(builder.bitcast(wc, i8.as_pointer()), [ahead])
-            for line in range(CHUNK * TILE * 2 // 64):
-                builder.call(prefetch, [builder.gep(later, [c(line * 64)]), ir.Constant(i32, 0), ir.Constant(i32, 2),
-                                        ir.Constant(i32, 1)])
+            _prefetch_group(builder, builder.bitcast(wc, i8.as_pointer()), ahead)  # this chunk of the next tile
             totals = list(accs)
             for pair in range(CHUNK // 2):
                 wv = builder.load(builder.bitcast(builder.gep(wc, [c(pair * 2 * TILE)]), bvec.as_pointer()), align=2)
