@@ -35,8 +35,10 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from apiary.kernels.cpu_attention import _close_loop, _data, _open_loop, follow_torch_threads
-from apiary.kernels.cpu_int8_gemm import GROUP, TILE, _numba_target_features, _prefetch_group, _splat_word, _store_rows
+from apiary.kernels.cpu_attention import _as_f32, _close_loop, _data, _open_loop, follow_torch_threads
+from apiary.kernels.cpu_int8_gemm import (GROUP, TILE, _numba_target_features, _prefetch_group, _silu, _splat_word,
+                                          _store_rows)
+from apiary.kernels.cpu_layers import _store
 from apiary.kernels.errors import KernelError
 
 # inputs per step of a micro-tile's loop: 16 weight vectors (1 KB, as one group of the int8 kernel's tile), the
@@ -87,11 +89,13 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedBF16:
     return PackedBF16(packed.numpy(), b.numpy(), rows, k)
 
 
-def linear(x: torch.Tensor, weight: PackedBF16) -> torch.Tensor:
-    """``x [M, K] @ W.T + bias`` -> ``[M, N]`` bf16, ``x`` a 2-D bf16 CPU tensor."""
+def linear(x: torch.Tensor, weight: PackedBF16, gated: bool = False) -> torch.Tensor:
+    """``x [M, K] @ W.T + bias`` -> ``[M, N]`` bf16, ``x`` a 2-D bf16 CPU tensor. ``gated``: ``x = [gate | up]``
+    (``[M, 2K]``) and the input is ``silu(gate) * up``, each rounded to bf16 as ``F.silu(gate) * up`` rounds."""
     k = weight.in_features
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k or x.device.type != "cpu":
-        raise KernelError(f"cpu_bf16_gemm.linear takes a 2-D CPU bfloat16 tensor of {k} columns, "
+    width = 2 * k if gated else k
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != width or x.device.type != "cpu":
+        raise KernelError(f"cpu_bf16_gemm.linear takes a 2-D CPU bfloat16 tensor of {width} columns, "
                           f"got {tuple(x.shape)} {x.dtype} on {x.device}")
     if not available():
         raise KernelError(f"cpu_bf16_gemm: this CPU, as numba compiles for it, lacks {', '.join(FEATURES)}")
@@ -101,14 +105,27 @@ def linear(x: torch.Tensor, weight: PackedBF16) -> torch.Tensor:
     follow_torch_threads()
     bits = x.contiguous().view(torch.int16).numpy()
     padded = weight.packed.shape[1] * 2
-    if padded != k:  # K not a multiple of 32: the kernel reads whole chunks
+    if padded != k and not gated:  # K not a multiple of 32: the kernel reads whole chunks (gated: its scratch is)
         wide = np.zeros((m, padded), np.int16)
         wide[:, :k] = bits
         bits = wide
     out = np.empty((m, n), np.int16)
-    _linear(bits, weight.packed, weight.bias, out)
+    _linear(bits, weight.packed, weight.bias, out, gated)
     result = torch.from_numpy(out).view(torch.bfloat16)
     return result if n == weight.out_features else result[:, : weight.out_features].contiguous()
+
+
+class Bound:
+    """``linear`` for one packed weight, called as ``f(x, gated=False)``: what a layer holds
+    (``ops.bind_bf16_linear``), with the weight there for a run of layers to stack (``cpu_decode_layers``)."""
+
+    __slots__ = ("weight",)
+
+    def __init__(self, weight: PackedBF16) -> None:
+        self.weight = weight
+
+    def __call__(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        return linear(x, self.weight, gated)
 
 
 def reference(x: torch.Tensor, weight: PackedBF16) -> torch.Tensor:
@@ -189,9 +206,32 @@ def _micro_tile_of(rows: int):  # type: ignore[no-untyped-def]
 _tile_rows, _tile_4, _tile_2, _tile_1 = (_micro_tile_of(rows) for rows in (ROWS, 4, 2, 1))
 
 
+@njit(cache=True, boundscheck=False, nogil=True)
+def _linear(x, packed, bias, out, gated):  # type: ignore[no-untyped-def]
+    """``out [M, Np]`` (bf16 bits) = ``x [M, Kp]`` (bf16 bits) times the packed weight, plus ``bias``. ``gated``:
+    ``x`` is ``[M, 2K]``, gate and up side by side, and the input is ``silu(gate) * up`` (``_swiglu``)."""
+    if gated:
+        src = np.zeros((x.shape[0], packed.shape[1] * 2), np.int16)
+        _swiglu(x, src)
+        _tiles(src, packed, bias, out)
+    else:
+        _tiles(x, packed, bias, out)
+
+
 @njit(parallel=True, cache=True, boundscheck=False, nogil=True)
-def _linear(x, packed, bias, out):  # type: ignore[no-untyped-def]
-    """``out [M, Np]`` (bf16 bits) = ``x [M, Kp]`` (bf16 bits) times the packed weight, plus ``bias``."""
+def _swiglu(x, out):  # type: ignore[no-untyped-def]
+    """``out[:, :K]`` = ``silu(gate) * up`` for ``x = [gate | up]`` (bf16 bits): silu rounded to bf16, then the
+    product, as ``F.silu(gate) * up`` rounds on bf16 tensors."""
+    k = x.shape[1] // 2
+    for i in prange(x.shape[0]):
+        for j in range(k):
+            silu = _as_f32(_store(out, _silu(_as_f32(x[i, j]))))
+            out[i, j] = _store(out, silu * _as_f32(x[i, k + j]))
+
+
+@njit(parallel=True, cache=True, boundscheck=False, nogil=True)
+def _tiles(x, packed, bias, out):  # type: ignore[no-untyped-def]
+    """Every 16-output tile of ``out`` over all rows of ``x``, the tiles spread over the threads."""
     m, n, tiles = x.shape[0], out.shape[1], packed.shape[0]
     chunks = x.shape[1] // CHUNK
     tile_elems = packed.shape[1] * TILE * 2

@@ -29,7 +29,7 @@ from apiary.kernels.cpu_attention import _as_f32
 from apiary.kernels.errors import KernelError
 
 if TYPE_CHECKING:
-    from apiary.kernels.cpu_int8_layers import Int8Stack
+    from apiary.kernels.cpu_decode_layers import LayerStack
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 # Rows from which a step's RMSNorm and rotary spread over numba's threads: a prompt chunk's hundreds of rows
@@ -367,25 +367,25 @@ class CpuStep:
         scales = None if k_scale is None or v_scale is None else (self._lasting(k_scale), self._lasting(v_scale))
         return self._decode(q, self._lasting(k_cache), self._lasting(v_cache), scales)
 
-    def int8_layers(self, x: torch.Tensor, residual: torch.Tensor | None, stack: Int8Stack,
-                    pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``stack``'s layers for a step of decode rows only, one compiled call (``cpu_int8_layers``): the
+    def stacked_layers(self, x: torch.Tensor, residual: torch.Tensor | None, stack: LayerStack,
+                       pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``stack``'s layers for a step of decode rows only, one compiled call (``cpu_decode_layers``): the
         ``(x, residual)`` that the per-layer calls (``rms_norm``, the projections, ``rotary_write_kv``,
         ``decode_attention``) would give, bit for bit. ``pool``: the float KV pool ``[layers, 2, blocks,
         block_size, Hkv, D]`` whose layer ``i`` holds layer ``i``'s K and V (``cloud.engine.kv_cache.KVPool``)."""
-        from apiary.kernels import cpu_int8_layers
+        from apiary.kernels import cpu_decode_layers
 
         decode = self._decode
         _require(decode is not None and self._kv is None and decode.tables.shape[0] == x.shape[0],
-                 lambda: "int8_layers takes a step of decode rows only, over a float cache")
+                 lambda: "stacked_layers takes a step of decode rows only, over a float cache")
         _require(pool.dim() == 6 and pool.is_contiguous() and pool.dtype == x.dtype and pool.shape[1] == 2
                  and tuple(pool.shape[4:]) == (self.num_kv_heads, self.head_dim)
                  and stack.first + stack.count <= pool.shape[0] and x.is_contiguous()
                  and (residual is None or (residual.is_contiguous() and residual.shape == x.shape)),
-                 lambda: f"int8_layers takes a contiguous [layers, 2, blocks, block_size, {self.num_kv_heads}, "
+                 lambda: f"stacked_layers takes a contiguous [layers, 2, blocks, block_size, {self.num_kv_heads}, "
                          f"{self.head_dim}] pool of the rows' dtype, got {tuple(pool.shape)} {pool.dtype}")
-        out, summed = cpu_int8_layers.run(stack, _np(x), None if residual is None else _np(residual), _np(pool),
-                                          self.num_heads, self.positions, self.cos_sin, self.slots, decode.tables,
-                                          decode.lens, decode.scale, decode.window, self.eps)
+        out, summed = cpu_decode_layers.run(stack, _np(x), None if residual is None else _np(residual), _np(pool),
+                                            self.num_heads, self.positions, self.cos_sin, self.slots, decode.tables,
+                                            decode.lens, decode.scale, decode.window, self.eps)
         as_tensor = (lambda a: torch.from_numpy(a).view(torch.bfloat16)) if x.dtype == torch.bfloat16 else torch.from_numpy
         return as_tensor(out), as_tensor(summed)

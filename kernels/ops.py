@@ -34,7 +34,8 @@ from apiary.kernels.errors import KernelError
 
 if TYPE_CHECKING:
     from apiary.kernels.cpu_int8_gemm import GroupedWeight
-    from apiary.kernels.cpu_int8_layers import Int8Stack
+    from apiary.kernels.cpu_bf16_gemm import Bound as BoundBF16, PackedBF16
+    from apiary.kernels.cpu_decode_layers import LayerStack, StackWeight
     from apiary.kernels.cpu_layers import CpuStep
 
 BACKENDS = ("auto", "torch", "triton")
@@ -488,24 +489,25 @@ def bind_grouped_int8(weight: GroupedWeight) -> Callable[..., torch.Tensor]:
     return _cpu_int8_gemm().Bound(weight)
 
 
-def int8_stackable(weights: dict[str, object], biases: dict[str, object]) -> str | None:
+def layer_stackable(weights: dict[str, object], biases: dict[str, object]) -> str | None:
     """Why a decoder layer's projections (``qkv``, ``o_proj``, ``gate_up``, ``down`` -> weight, -> bias) cannot
-    join a run of int8 layers at decode (``apiary.kernels.cpu_int8_layers``), or None."""
+    join a run of layers at decode (``apiary.kernels.cpu_decode_layers``), or None. Weights: grouped int8
+    (``pack_grouped_int8``) or the bf16 kernel's (``bind_bf16_linear(...).weight``), all of one kind."""
     if not numba_available():
         return "numba is not installed"
-    from apiary.kernels import cpu_int8_layers
+    from apiary.kernels import cpu_decode_layers
 
-    return cpu_int8_layers.stackable(weights, biases)
+    return cpu_decode_layers.stackable(weights, biases)
 
 
-def stack_int8_layers(first: int, layers: list[dict[str, GroupedWeight]], input_norms: list[torch.Tensor],
-                      post_norms: list[torch.Tensor], kernel: str | None = None) -> Int8Stack:
-    """Consecutive decoder layers from ``first`` (each ``int8_stackable``) stacked for ``CpuStep.int8_layers``, the
-    step's decode rows through all of them in one compiled call; ``kernel``: the grouped GEMM's (default: the
-    best here). The layers then hold ``Int8Stack.views()``, so the weights are held once."""
-    from apiary.kernels import cpu_int8_layers
+def stack_layers(first: int, layers: list[dict[str, StackWeight]], input_norms: list[torch.Tensor],
+                 post_norms: list[torch.Tensor], kernel: str | None = None) -> LayerStack:
+    """Consecutive decoder layers from ``first`` (each ``layer_stackable``) stacked for ``CpuStep.stacked_layers``,
+    the step's decode rows through all of them in one compiled call; ``kernel``: int8 weights' grouped GEMM
+    (default: the best here). The layers then hold ``LayerStack.views()``, so the weights are held once."""
+    from apiary.kernels import cpu_decode_layers
 
-    return cpu_int8_layers.stack(first, layers, input_norms, post_norms, kernel)
+    return cpu_decode_layers.stack(first, layers, input_norms, post_norms, kernel)
 
 
 def bf16_gemm_available() -> bool:
@@ -518,12 +520,12 @@ def bf16_gemm_available() -> bool:
     return cpu_bf16_gemm.available()
 
 
-def bind_bf16_linear(weight: torch.Tensor,
-                     bias: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+def bind_bf16_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> BoundBF16 | None:
     """``f(x) = x @ weight.T + bias`` through the bf16 GEMM (``apiary.kernels.cpu_bf16_gemm``: ``vdpbf16ps``, float32
     sums rounded once, as oneDNN's), for a bf16 CPU weight a layer calls every step; None where that kernel does
     not run (another backend forced, no numba, a CPU numba does not compile ``avx512bf16`` for, another dtype or
-    device), so the caller keeps its own path. ``f`` takes 2-D bf16 CPU rows of ``weight``'s input width."""
+    device), so the caller keeps its own path. ``f(x, gated=False)`` takes 2-D bf16 CPU rows of ``weight``'s input
+    width (``gated``: twice that, ``[gate | up]``, for ``silu(gate) * up``); ``f.weight`` is the packed weight."""
     _check_tensor("weight", weight, 2, float_=True)
     if bias is not None:
         _check_tensor("bias", bias, 1, float_=True)
@@ -532,8 +534,14 @@ def bind_bf16_linear(weight: torch.Tensor,
         return None
     from apiary.kernels import cpu_bf16_gemm
 
-    packed = cpu_bf16_gemm.pack(weight, bias)
-    return functools.partial(cpu_bf16_gemm.linear, weight=packed)
+    return cpu_bf16_gemm.Bound(cpu_bf16_gemm.pack(weight, bias))
+
+
+def bind_packed_bf16(weight: PackedBF16) -> BoundBF16:
+    """``bind_bf16_linear`` for a weight already packed (a view of a ``LayerStack``, ``LayerStack.views``)."""
+    from apiary.kernels import cpu_bf16_gemm
+
+    return cpu_bf16_gemm.Bound(weight)
 
 
 def grouped_int8_reference(x: torch.Tensor, weight: GroupedWeight) -> torch.Tensor:

@@ -17,13 +17,17 @@ not the speed path (the engine's ``auto`` dtype is float32 there), and the probe
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from apiary.kernels import cpu, ops
+
+if TYPE_CHECKING:
+    from apiary.kernels.cpu_bf16_gemm import Bound
 
 
 def _pack(weight: torch.Tensor, bias: torch.Tensor | None, flags: Iterable[str] | None) -> torch.Tensor | None:
@@ -51,7 +55,7 @@ class Linear:
     weight: torch.Tensor
     bias: torch.Tensor | None = None
     packed: torch.Tensor | None = None  # oneDNN's layout
-    kernel: Callable[[torch.Tensor], torch.Tensor] | None = None  # the bf16 GEMM, bound to this weight
+    kernel: Bound | None = None  # the bf16 GEMM, bound to this weight (``ops.bind_bf16_linear``)
 
     @classmethod
     def of(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, flags: Iterable[str] | None = None) -> Linear:
@@ -76,6 +80,15 @@ class Linear:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``self(silu(gate) * up)`` for ``gate_up = [gate | up]`` (a SwiGLU's two projections side by side): with
+        the bf16 kernel, the elementwise part inside its call, rounded as the torch ops round; a run of layers
+        in one call (``kernels/cpu_decode_layers.py``) calls the same kernel the same way."""
+        if self.kernel is not None and gate_up.dim() == 2 and gate_up.shape[0] and gate_up.dtype == self.weight.dtype:
+            return self.kernel(gate_up, True)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self(F.silu(gate) * up)
 
     def tensors(self) -> list[torch.Tensor]:
         """The parameters (plain layout), for counting."""

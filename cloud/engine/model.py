@@ -24,7 +24,7 @@ from apiary.cloud.engine.linear import Linear
 from apiary.kernels import ops
 
 if TYPE_CHECKING:
-    from apiary.kernels.cpu_int8_layers import Int8Stack
+    from apiary.kernels.cpu_decode_layers import LayerStack, StackWeight
     from apiary.kernels.cpu_layers import CpuStep
 
 
@@ -83,8 +83,8 @@ Projection = Linear | Int8Linear | GroupedInt8Linear
 
 def swiglu_down(down: Projection, gate_up: torch.Tensor) -> torch.Tensor:
     """``down(silu(gate) * up)`` for ``gate_up = [gate | up]``; the grouped int8 layer does the elementwise part
-    in its quantization pass (``GroupedInt8Linear.gated``)."""
-    if isinstance(down, GroupedInt8Linear):
+    in its quantization pass (``GroupedInt8Linear.gated``), the bf16 kernel before its products (``Linear.gated``)."""
+    if isinstance(down, (GroupedInt8Linear, Linear)):
         return down.gated(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return down(F.silu(gate) * up)
@@ -177,42 +177,53 @@ class LlamaModel:
         self.cos_sin = rope_cos_sin_cache(config, max_positions, device)
         c = config
         self.qkv_split = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
-        self.int8_stack: Int8Stack | None = None  # stack_int8_layers: decode steps' run of int8 layers
+        self.layer_stack: LayerStack | None = None  # stack_layers: decode steps' run of layers in one call
 
-    def stack_int8_layers(self, kernel: str | None = None) -> str:
-        """Stack the longest run of consecutive int8 layers that ``ops.int8_stackable`` accepts, for decode steps
-        to run in one compiled call (``CpuStep.int8_layers``); the layers then hold views of the stack. Returns
-        what it did, for the engine's log. ``kernel``: the grouped GEMM's (default: the best here)."""
+    def stack_layers(self, kernel: str | None = None) -> str:
+        """Stack the longest run of consecutive layers that ``ops.layer_stackable`` accepts (grouped int8 projections,
+        or bf16 ones through our bf16 kernel), for decode steps to run in one compiled call
+        (``CpuStep.stacked_layers``); the layers then hold views of the stack. Returns what it did, for the
+        engine's log. ``kernel``: int8 weights' grouped GEMM (default: the best here)."""
         from apiary.cloud.engine.int8 import PROJECTIONS
+
+        def weight(lin: object) -> StackWeight | None:
+            if isinstance(lin, GroupedInt8Linear):
+                return lin.weight
+            return lin.kernel.weight if isinstance(lin, Linear) and lin.kernel is not None else None
 
         def why_not(layer: DecoderLayer) -> str | None:
             lins = [getattr(layer, name) for name in PROJECTIONS]
-            if not all(isinstance(lin, GroupedInt8Linear) for lin in lins):
-                return "not all projections are grouped int8"
-            return ops.int8_stackable({n: lin.weight for n, lin in zip(PROJECTIONS, lins)},
-                                      {n: lin.bias for n, lin in zip(PROJECTIONS, lins)})
+            if any(weight(lin) is None for lin in lins):
+                return "not all projections are grouped int8 or through the bf16 kernel"
+            return ops.layer_stackable({n: weight(lin) for n, lin in zip(PROJECTIONS, lins)},
+                                       {n: lin.bias if isinstance(lin, GroupedInt8Linear) else None
+                                        for n, lin in zip(PROJECTIONS, lins)})
 
-        self.int8_stack = None
+        self.layer_stack = None
         if self.device.type != "cpu":
-            return "no run of int8 layers (not on the CPU)"
+            return "no run of layers in one call (not on the CPU)"
         reasons = [why_not(layer) for layer in self.layers]
+        kinds = [type(weight(layer.qkv)) for layer in self.layers]
         best, start = (0, 0), None
         for i, reason in enumerate([*reasons, "end"]):
+            if start is not None and (reason is not None or kinds[i] != kinds[start]):  # a run is of one kind
+                best, start = max(best, (i - start, -start)), None
             if reason is None and start is None:
                 start = i
-            elif reason is not None and start is not None:
-                best, start = max(best, (i - start, -start)), None
         count, first = best[0], -best[1]
         if not count:
-            return f"no run of int8 layers ({next((r for r in reasons if r), 'no layers')})"
+            return f"no run of layers in one call ({next((r for r in reasons if r), 'no layers')})"
         layers = self.layers[first:first + count]
-        self.int8_stack = ops.stack_int8_layers(
-            first, [{n: getattr(layer, n).weight for n in PROJECTIONS} for layer in layers],
+        self.layer_stack = ops.stack_layers(
+            first, [{n: weight(getattr(layer, n)) for n in PROJECTIONS} for layer in layers],  # type: ignore[misc]
             [layer.input_norm for layer in layers], [layer.post_norm for layer in layers], kernel)
-        for layer, views in zip(layers, self.int8_stack.views()):
-            for name, weight in views.items():
-                setattr(layer, name, GroupedInt8Linear(weight))
-        return f"decode steps run layers {first}-{first + count - 1} in one compiled call ({self.int8_stack.kernel})"
+        for layer, views in zip(layers, self.layer_stack.views()):
+            for name, view in views.items():
+                lin = getattr(layer, name)
+                setattr(layer, name, GroupedInt8Linear(view) if isinstance(lin, GroupedInt8Linear)  # type: ignore[arg-type]
+                        else Linear(lin.weight, lin.bias, None, ops.bind_packed_bf16(view)))  # type: ignore[arg-type]
+        return (f"decode steps run layers {first}-{first + count - 1} in one compiled call "
+                f"({self.layer_stack.gemm} GEMM)")
 
     def _attention(self, q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata,
                    step: CpuStep | None = None) -> torch.Tensor:
@@ -239,7 +250,7 @@ class LlamaModel:
 
         ``should_stop`` is asked before every layer after the first; if it says yes, the pass raises
         ``StepInterrupted`` (the K/V already written are rewritten when the tokens run again). A decode step's
-        run of int8 layers (``stack_int8_layers``) is one call, not asked inside: it takes milliseconds.
+        run of layers (``stack_layers``) is one call, not asked inside: it takes milliseconds.
         """
         c = self.config
         t = input_ids.shape[0]
@@ -254,8 +265,8 @@ class LlamaModel:
             if residual is not None and should_stop is not None and should_stop():
                 raise StepInterrupted
             if stack is not None and step is not None and i == stack.first:  # _stack_for checked kv.pool
-                # the run of int8 layers in one call: a decode step takes milliseconds, not worth interrupting
-                x, residual = step.int8_layers(x, residual, stack, kv.pool)  # type: ignore[arg-type]
+                # the run of layers in one call: a decode step takes milliseconds, not worth interrupting
+                x, residual = step.stacked_layers(x, residual, stack, kv.pool)  # type: ignore[arg-type]
                 skip_to = i + stack.count
                 continue
             if step is not None:  # the same layer on CPU, its small ops checked once per pass (CpuStep)
@@ -281,10 +292,10 @@ class LlamaModel:
         return out
 
     def _stack_for(self, step: CpuStep | None, meta: AttentionMetadata, t: int,
-                   kv_caches: list[LayerKV]) -> Int8Stack | None:
-        """The run of int8 layers where this pass can take it: a CPU step of decode rows only over a float pool
+                   kv_caches: list[LayerKV]) -> LayerStack | None:
+        """The run of layers where this pass can take it: a CPU step of decode rows only over a float pool
         (int8 caches and prompt chunks take the per-layer path)."""
-        stack = self.int8_stack
+        stack = self.layer_stack
         if stack is None or step is None or meta.num_decode_tokens != t or not t:
             return None
         kv = kv_caches[stack.first]

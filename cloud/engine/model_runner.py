@@ -88,6 +88,8 @@ class ModelRunner:
             log.info("%s projections: %s", str(self.dtype).removeprefix("torch."), self.model.layers[0].qkv.path)
         if config.weights == "int8":
             self._quantize(config, checkpoint)
+        if self.device.type == "cpu":
+            log.info("%s", self.model.stack_layers())
         quantized_kv = config.kv_cache_dtype == "int8"
         self.bytes_per_block = config.block_size * bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim,
                                                                    self.dtype, quantized_kv)
@@ -122,7 +124,7 @@ class ModelRunner:
         positions, meta, _ = paged_layout(np.zeros(2, dtype=np.int64), np.ones(2, dtype=np.int64), [[0], [0]],
                                           self.block_size, 1, self.device)
         self.model.forward(torch.zeros(2, dtype=torch.int64, device=self.device), positions, meta, self.kv_caches)
-        if self.model.int8_stack is not None:  # decode rows only: the run of int8 layers, compiled here (~3 s)
+        if self.model.layer_stack is not None:  # decode rows only: the run of layers in one call, compiled here (~3 s)
             positions, meta, _ = paged_layout(np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.int64), [[0]],
                                               self.block_size, 1, self.device)
             self.model.forward(torch.zeros(1, dtype=torch.int64, device=self.device), positions, meta, self.kv_caches)
@@ -145,15 +147,14 @@ class ModelRunner:
         stats = int8.calibrate(self.model, prompts, config.block_size)
         int8.quantize_model(self.model, stats)
         refined = int8.quantize_head(self.model)
-        stacked = self.model.stack_int8_layers()
         choice = int8.gemm_choice()
         kept = sorted(int8.dtype_layers(len(self.model.layers)))
         log.info("int8 weights (W8A8, SmoothQuant alpha %.2f over %d calibration tokens, %s GEMM, %d-bit weights; "
-                 "decoder layers %s stay in %s; LM head %s; probe: %s; %s) in %.1f s", int8.DEFAULT_ALPHA,
+                 "decoder layers %s stay in %s; LM head %s; probe: %s) in %.1f s", int8.DEFAULT_ALPHA,
                  sum(map(len, prompts)), choice.backend, choice.weight_bits, kept or "none",
                  str(self.dtype).removeprefix("torch."),
                  "int8 with exact top candidates" if refined else f"in {str(self.dtype).removeprefix('torch.')}",
-                 choice.reason, stacked, time.perf_counter() - start)
+                 choice.reason, time.perf_counter() - start)
 
     def _default_kv_bytes(self) -> int:
         if self.device.type == "cuda":

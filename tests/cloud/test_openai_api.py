@@ -365,7 +365,7 @@ def test_disconnects_abort_every_choice(server, cloud_engine, idle_engine):  # n
 
 def test_an_int8_server_decodes_through_its_run_of_layers(tmp_path, keys, gguf_path, monkeypatch):
     """`apiary cloud serve --weights int8`'s engine behind the REST door: concurrent streamed chats decode through
-    the run of int8 layers in one call (``CpuStep.int8_layers``), and answer, token for token and logprob for
+    the run of int8 layers in one call (``CpuStep.stacked_layers``), and answer, token for token and logprob for
     logprob, what the per-layer path answers once the run is switched off; a JSON-schema answer through the LM head
     that ranks in int8 (handed the grammar's bitmask) is a document of its schema."""
     import concurrent.futures
@@ -380,8 +380,8 @@ def test_an_int8_server_decodes_through_its_run_of_layers(tmp_path, keys, gguf_p
     if int8.gemm_choice().backend != "grouped":
         pytest.skip("the run takes grouped int8 weights; this host's int8 is per-token")
     calls = []
-    through = cpu_layers.CpuStep.int8_layers
-    monkeypatch.setattr(cpu_layers.CpuStep, "int8_layers", lambda *a: calls.append(1) or through(*a))
+    through = cpu_layers.CpuStep.stacked_layers
+    monkeypatch.setattr(cpu_layers.CpuStep, "stacked_layers", lambda *a: calls.append(1) or through(*a))
     llm = LLMEngine(EngineConfig(model_path=gguf_path, weights="int8", max_num_seqs=4, kv_cache_bytes=64 << 20))
     assert isinstance(llm.runner.model.head, int8.RefinedHead)
     refined = int8.RefinedHead.__call__
@@ -407,10 +407,10 @@ def test_an_int8_server_decodes_through_its_run_of_layers(tmp_path, keys, gguf_p
         fused = all_answers()
         assert len(calls) >= 8 and all(text for text, _ in fused)
         model = llm.runner.model  # the engine is idle between the rounds: the next step reads the attribute
-        stack, model.int8_stack = model.int8_stack, None
+        stack, model.layer_stack = model.layer_stack, None
         calls.clear()
         layered = all_answers()
-        model.int8_stack = stack
+        model.layer_stack = stack
         assert not calls and layered == fused
         # A structured answer: the step's grammar bitmask reaches the head, which ranks in int8 (int8.RefinedHead)
         masks = []

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from apiary.cloud.engine import EngineConfig, LLMEngine
+from apiary.cloud.engine import EngineConfig, LLMEngine, SamplingParams
 from apiary.cloud.engine.sequence import Sequence
 from tests.cloud.engine.tiny import make_checkpoint
 
@@ -103,3 +103,24 @@ def attention_calls(monkeypatch: pytest.MonkeyPatch, kernel: str) -> list[int]:
     served: list[int] = []
     monkeypatch.setattr(cpu_attention, kernel, spy)
     return served
+
+
+def decodes_through_the_run(engine: LLMEngine, prompts: list, max_tokens: int,
+                            monkeypatch: pytest.MonkeyPatch) -> tuple[list, list, int]:
+    """Greedy generations with logprobs, with the model's run of layers in one call (``layer_stack``) and then
+    without it; also how many decode steps took the run."""
+    from apiary.kernels import cpu_layers
+
+    calls = []
+    through = cpu_layers.CpuStep.stacked_layers
+    monkeypatch.setattr(cpu_layers.CpuStep, "stacked_layers", lambda *a: calls.append(1) or through(*a))
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+    model = engine.runner.model
+    fused = engine.generate(prompts, params)
+    stack, model.layer_stack = model.layer_stack, None
+    try:
+        engine.reset_prefix_cache()
+        layered = engine.generate(prompts, params)
+    finally:
+        model.layer_stack = stack
+    return fused, layered, len(calls)

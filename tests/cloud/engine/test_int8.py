@@ -14,7 +14,7 @@ from apiary.cloud.engine.errors import EngineError
 from apiary.cloud.engine.linear import Linear
 from apiary.cloud.engine.sampling_params import StructuredOutput
 from apiary.kernels import cpu_head, ops
-from tests.cloud.engine.conftest import prompt_logits
+from tests.cloud.engine.conftest import decodes_through_the_run, prompt_logits
 from tests.cloud.engine.tiny import make_checkpoint
 
 
@@ -304,7 +304,7 @@ def test_an_int8_engine_serves_batches(tiny_qwen2: Path, kv_cache_dtype: str, ge
     assert all(isinstance(layer.qkv, kind) and isinstance(layer.down, kind) for layer in engine.runner.model.layers)
     with pytest.raises(EngineError, match="already quantized"):
         int8.quantize_model(engine.runner.model, None)
-    assert engine.runner.model.int8_stack is None  # Qwen2's q/k/v biases: decode keeps the per-layer path
+    assert engine.runner.model.layer_stack is None  # Qwen2's q/k/v biases: decode keeps the per-layer path
     outs = engine.generate(["Queen present", "Sensor 7 reports humidity 62% and a weight gain"],
                            SamplingParams(max_tokens=6, ignore_eos=True))
     assert [len(o.output_token_ids) for o in outs] == [6, 6]
@@ -395,27 +395,6 @@ def test_a_grammar_rows_allowed_tokens_reach_the_refined_head(tmp_path: Path, mo
     plain = engine.generate(prompts, params)
     assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in plain]
 
-def decodes_through_the_run(engine: LLMEngine, prompts: list, max_tokens: int,
-                            monkeypatch: pytest.MonkeyPatch) -> tuple[list, list, int]:
-    """Greedy generations with logprobs, with the model's run of int8 layers (``int8_stack``) and then without it;
-    also how many decode steps took the run."""
-    from apiary.kernels import cpu_layers
-
-    calls = []
-    through = cpu_layers.CpuStep.int8_layers
-    monkeypatch.setattr(cpu_layers.CpuStep, "int8_layers", lambda *a: calls.append(1) or through(*a))
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=2)
-    model = engine.runner.model
-    fused = engine.generate(prompts, params)
-    stack, model.int8_stack = model.int8_stack, None
-    try:
-        engine.reset_prefix_cache()
-        layered = engine.generate(prompts, params)
-    finally:
-        model.int8_stack = stack
-    return fused, layered, len(calls)
-
-
 def test_decode_steps_run_the_int8_layers_in_one_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Six layers, 1-4 int8: the engine stacks those (their projections then views of the stack), and decode steps
     take them in one compiled call with the per-layer path's tokens and logprobs exactly; prompt steps do not."""
@@ -424,15 +403,15 @@ def test_decode_steps_run_the_int8_layers_in_one_call(tmp_path: Path, monkeypatc
         pytest.skip("the run takes grouped int8 weights; this host's int8 is per-token")
     import numba
 
-    from apiary.kernels import cpu_int8_layers
+    from apiary.kernels import cpu_decode_layers
 
     folder = make_checkpoint(tmp_path / "six", "llama", layers=6, hidden=128, heads=4, kv_heads=2, intermediate=256)
     for dtype in ("float32", "bfloat16"):
         engine = LLMEngine(EngineConfig(model_path=folder, dtype=dtype, weights="int8", kv_cache_bytes=4 << 20,
                                         block_size=8))
-        stack = engine.runner.model.int8_stack
+        stack = engine.runner.model.layer_stack
         assert stack is not None and (stack.first, stack.count) == (1, 4)
-        compiled = cpu_int8_layers._layers_of(stack.kernel, 0, 0).signatures  # head dim 32: the generic attention
+        compiled = cpu_decode_layers._layers_of(stack.gemm, 0, 0).signatures  # head dim 32: the generic attention
         bits = np.int16 if dtype == "bfloat16" else np.float32
         assert any(sig[0].dtype == numba.from_dtype(bits) for sig in compiled)  # by the warm-up, before serving
         for i, layer in enumerate(engine.runner.model.layers[1:5]):  # views of the stack, not copies
@@ -548,7 +527,7 @@ def test_real_model_int8_decode_runs_its_layers_in_one_call(gguf_path: Path, mon
     if int8.gemm_choice().backend != "grouped":
         pytest.skip("the run takes grouped int8 weights; this host's int8 is per-token")
     engine = LLMEngine(EngineConfig(model_path=gguf_path, weights="int8", kv_cache_bytes=64 << 20))
-    stack = engine.runner.model.int8_stack
+    stack = engine.runner.model.layer_stack
     assert stack is not None and (stack.first, stack.count) == (1, 28)
     fused, layered, calls = decodes_through_the_run(engine, [GATE_TEXTS[0], GATE_TEXTS[2], "Queen present"], 24,
                                                     monkeypatch)

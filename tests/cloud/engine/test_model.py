@@ -12,7 +12,8 @@ import torch
 from apiary.cloud.engine import EngineConfig, LLMEngine
 from apiary.cloud.engine.errors import EngineError
 from apiary.kernels import cpu, ops
-from tests.cloud.engine.conftest import attention_calls, prompt_logits
+from tests.cloud.engine.conftest import attention_calls, decodes_through_the_run, prompt_logits
+from tests.cloud.engine.tiny import make_checkpoint
 
 PROMPT = ("<|im_start|>user\nThe hive scale reads 41.3 kg, up 0.8 kg since yesterday; humidity 61%. "
           "Is the colony healthy?<|im_end|>\n<|im_start|>assistant\nA steady weight gain")
@@ -124,7 +125,7 @@ def test_real_model_bfloat16_tracks_float32(real_engine: LLMEngine, gguf_path: P
     bf16 = LLMEngine(EngineConfig(model_path=gguf_path, dtype="bfloat16", kv_cache_bytes=64 << 20))
     # The path this host takes is the one tested (AVX2 hosts: the F.linear fallback).
     native = cpu.native_bf16(cpu.host_flags()) is not None
-    kernel = native and ops.numba_available() and importlib.import_module("apiary.kernels.cpu_bf16_gemm").available()
+    kernel = bf16_kernel_runs()
     packable = native and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     for layer in bf16.runner.model.layers:
         for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down, bf16.runner.model.head):
@@ -140,6 +141,50 @@ def test_real_model_bfloat16_tracks_float32(real_engine: LLMEngine, gguf_path: P
             mine, ref = ours[pos].argmax().item(), reference[pos].argmax().item()
             assert reference[pos, ref] - reference[pos, mine] < 1.0, f"position {pos}: not a near-tie"
     assert np.corrcoef(whole.flatten().numpy(), reference.flatten().numpy())[0, 1] > 0.99
+
+
+def bf16_kernel_runs() -> bool:
+    """Whether this host's bf16 layers take our vdpbf16ps kernel (native bf16, and numba compiles it)."""
+    return (cpu.native_bf16(cpu.host_flags()) is not None and ops.numba_available()
+            and importlib.import_module("apiary.kernels.cpu_bf16_gemm").available())
+
+
+def test_bf16_decode_steps_run_the_layers_in_one_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 engine whose projections take our bf16 kernel stacks all its layers (their weights then views of
+    the stack), and decode steps take them in one compiled call with the per-layer path's tokens and logprobs
+    exactly; elsewhere (AVX2, emulated bf16) nothing is stacked and the log says why."""
+    folder = make_checkpoint(tmp_path / "four", "llama", layers=4, hidden=128, heads=4, kv_heads=2, intermediate=256)
+    engine = LLMEngine(EngineConfig(model_path=folder, dtype="bfloat16", kv_cache_bytes=4 << 20, block_size=8))
+    stack = engine.runner.model.layer_stack
+    if not bf16_kernel_runs():
+        assert stack is None
+        return
+    assert stack is not None and (stack.first, stack.count, stack.gemm) == (0, 4, "bf16")
+    for i, layer in enumerate(engine.runner.model.layers):
+        assert all(np.shares_memory(getattr(layer, name).kernel.weight.packed, stack.packed[j][i])
+                   for j, name in enumerate(("qkv", "o_proj", "gate_up", "down")))
+    prompts = ["Queen present", "Sensor 7 reports humidity 62% and a weight gain", "Hive 3"]
+    fused, layered, calls = decodes_through_the_run(engine, prompts, 9, monkeypatch)
+    assert calls >= 8  # every decode step after the prompts'
+    assert [o.output_token_ids for o in fused] == [o.output_token_ids for o in layered]
+    assert [o.logprobs for o in fused] == [o.logprobs for o in layered]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_real_model_bfloat16_decodes_its_layers_in_one_call(gguf_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SmolLM2 in bf16 (what ``apiary cloud serve`` runs where bf16 is native): all 30 layers stacked, and a
+    batch's decode steps through the one call give the per-layer path's tokens and logprobs."""
+    if not bf16_kernel_runs():
+        pytest.skip("this host's bf16 layers do not take the vdpbf16ps kernel (no avx512_bf16 for numba)")
+    engine = LLMEngine(EngineConfig(model_path=gguf_path, dtype="bfloat16", kv_cache_bytes=64 << 20))
+    stack = engine.runner.model.layer_stack
+    assert stack is not None and (stack.first, stack.count, stack.gemm) == (0, 30, "bf16")
+    fused, layered, calls = decodes_through_the_run(engine, [PROMPT, "Queen present", "Hive 3 lost weight"], 24,
+                                                    monkeypatch)
+    assert calls >= 20
+    assert [o.output_token_ids for o in fused] == [o.output_token_ids for o in layered]
+    assert [o.logprobs for o in fused] == [o.logprobs for o in layered]
 
 
 def test_bad_checkpoints_raise_engine_error(tmp_path: Path) -> None:

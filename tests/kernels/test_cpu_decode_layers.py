@@ -1,4 +1,5 @@
-"""A run of int8 layers in one compiled call against the per-layer calls it replaces, and what a stack refuses."""
+"""A run of layers in one compiled call (int8 weights, or bf16 ones through the vdpbf16ps kernel) against the
+per-layer calls it replaces, and what a stack refuses."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,26 +10,33 @@ from apiary.kernels import ops, reference
 from apiary.kernels.errors import KernelError
 
 gemm = pytest.importorskip("apiary.kernels.cpu_int8_gemm")
-layers_mod = pytest.importorskip("apiary.kernels.cpu_int8_layers")
+layers_mod = pytest.importorskip("apiary.kernels.cpu_decode_layers")
+bf16_gemm = pytest.importorskip("apiary.kernels.cpu_bf16_gemm")
 if not gemm.runnable():
     pytest.skip("the grouped int8 GEMM does not run on this CPU (neither AVX-512 VNNI nor AVX2)", allow_module_level=True)
+needs_bf16_kernel = pytest.mark.skipif(not bf16_gemm.available(),
+                                       reason=f"numba does not compile for {', '.join(bf16_gemm.FEATURES)} here")
 
 HIDDEN, HQ, HKV, INTER, BLOCK = 256, 4, 2, 384, 8
 
 
-def _layer(g: torch.Generator, head_dim: int) -> dict:
+def _layer(g: torch.Generator, head_dim: int, bf16: bool = False) -> dict:
+    """Random int8 projections (``bf16``: bf16 ones, packed for the bf16 kernel, the q/k/v ones with a bias)."""
     qkv_out = (HQ + 2 * HKV) * head_dim
     shapes = {"qkv": (qkv_out, HIDDEN), "o_proj": (HIDDEN, HQ * head_dim), "gate_up": (2 * INTER, HIDDEN),
               "down": (HIDDEN, INTER)}
-    return {name: gemm.quantize_weight(torch.randn(shape, generator=g) / shape[1] ** 0.5)
-            for name, shape in shapes.items()}
+    weights = {name: torch.randn(shape, generator=g) / shape[1] ** 0.5 for name, shape in shapes.items()}
+    if bf16:
+        return {name: bf16_gemm.pack(w, torch.randn(w.shape[0], generator=g) if name == "qkv" else None)
+                for name, w in weights.items()}
+    return {name: gemm.quantize_weight(w) for name, w in weights.items()}
 
 
-def _setup(dtype: torch.dtype, head_dim: int, count: int = 3, rows: int = 5, seed: int = 0):
-    """``count`` random int8 layers, their norms, a pool of ``count + 2`` layers (the run starts at layer 1) with
-    ``rows`` sequences' contexts in it, and the step decoding one token for each."""
+def _setup(dtype: torch.dtype, head_dim: int, count: int = 3, rows: int = 5, seed: int = 0, bf16: bool = False):
+    """``count`` random int8 layers (``bf16``: bf16-kernel ones), their norms, a pool of ``count + 2`` layers (the run
+    starts at layer 1) with ``rows`` sequences' contexts in it, and the step decoding one token for each."""
     g = torch.Generator().manual_seed(seed)
-    layers = [_layer(g, head_dim) for _ in range(count)]
+    layers = [_layer(g, head_dim, bf16) for _ in range(count)]
     norms = [[(torch.rand(HIDDEN, generator=g) + 0.5).to(dtype) for _ in range(count)] for _ in range(2)]
     num_blocks = 40
     pool = torch.randn(count + 2, 2, num_blocks, BLOCK, HKV, head_dim, generator=g).to(dtype)
@@ -46,37 +54,41 @@ def _setup(dtype: torch.dtype, head_dim: int, count: int = 3, rows: int = 5, see
 
 
 def _per_layer(step, layers, norms, pool, x, residual, kernel, first=1):
-    """What ``LlamaModel.forward``'s CPU path computes layer by layer."""
+    """What ``LlamaModel.forward``'s CPU path computes layer by layer (``kernel``: the int8 GEMM's, or ``"bf16"``)."""
     views = [(pool[first + i, 0], pool[first + i, 1]) for i in range(len(layers))]  # kept alive: CpuStep keys by id
+    bind = bf16_gemm.Bound if kernel == layers_mod.BF16 else lambda weight: gemm.Bound(weight, kernel)
     for layer, in_norm, post_norm, (k, v) in zip(layers, *norms, views):
         h, residual = step.rms_norm(x, in_norm, residual)
-        q = step.rotary_write_kv(gemm.Bound(layer["qkv"], kernel)(h), k, v)
+        q = step.rotary_write_kv(bind(layer["qkv"])(h), k, v)
         attn = step.decode_attention(q, k, v)
-        h, residual = step.rms_norm(gemm.Bound(layer["o_proj"], kernel)(attn.reshape(x.shape[0], -1)), post_norm,
-                                    residual)
-        x = gemm.Bound(layer["down"], kernel)(gemm.Bound(layer["gate_up"], kernel)(h), True)
+        h, residual = step.rms_norm(bind(layer["o_proj"])(attn.reshape(x.shape[0], -1)), post_norm, residual)
+        x = bind(layer["down"])(bind(layer["gate_up"])(h), True)
     return x, residual
 
 
 # (activations, head dim: 64 has its own attention kernel, 32 takes the generic one, GEMM kernel); each compiles
 # a run of its own (~3 s), so the other kernel (AVX2 on a VNNI host) once
+# (bf16 weights: bf16 rows, both attention kernels)
 CASES = [(torch.bfloat16, 64, gemm.isa()), (torch.float32, 64, gemm.isa()), (torch.bfloat16, 32, gemm.isa())] + [
-    (torch.bfloat16, 64, kernel) for kernel in gemm.runnable()[1:]]
+    (torch.bfloat16, 64, kernel) for kernel in gemm.runnable()[1:]] + [
+    pytest.param(torch.bfloat16, head_dim, layers_mod.BF16, marks=needs_bf16_kernel) for head_dim in (64, 32)]
 
 
 @pytest.mark.parametrize(("dtype", "head_dim", "kernel"), CASES, ids=lambda v: str(v).removeprefix("torch."))
 def test_a_run_is_the_per_layer_calls_bit_for_bit(dtype, head_dim, kernel):
     """Hidden rows, residual stream and every K/V row written: the per-layer path's exactly (same kernels, same
     order, the query widened and the attention rounded as the torch ops do)."""
-    layers, norms, pool, step, x, residual = _setup(dtype, head_dim)
+    bf16 = kernel == layers_mod.BF16
+    layers, norms, pool, step, x, residual = _setup(dtype, head_dim, bf16=bf16)
     want_pool = pool.clone()
     want_x, want_residual = _per_layer(step, layers, norms, want_pool, x, residual, kernel)
-    stack = ops.stack_int8_layers(1, layers, *norms, kernel=kernel)
-    got_x, got_residual = step.int8_layers(x, residual, stack, pool)
+    stack = ops.stack_layers(1, layers, *norms, kernel=None if bf16 else kernel)
+    assert stack.gemm == kernel
+    got_x, got_residual = step.stacked_layers(x, residual, stack, pool)
     assert got_x.dtype == dtype and torch.equal(got_x, want_x)
     assert torch.equal(got_residual, want_residual)
     assert torch.equal(pool, want_pool)
-    assert not torch.equal(pool, _setup(dtype, head_dim)[2])  # the K/V rows were written
+    assert not torch.equal(pool, _setup(dtype, head_dim, bf16=bf16)[2])  # the K/V rows were written
 
 
 def test_a_wide_decode_step_takes_the_row_parallel_norm_and_rotary_as_the_per_layer_path():
@@ -96,7 +108,7 @@ def test_a_wide_decode_step_takes_the_row_parallel_norm_and_rotary_as_the_per_la
     x, residual = (torch.randn(rows, HIDDEN, generator=g).to(torch.bfloat16) for _ in range(2))
     want_pool = pool.clone()
     want = _per_layer(step, layers, norms, want_pool, x, residual, gemm.isa())
-    got = step.int8_layers(x, residual, ops.stack_int8_layers(1, layers, *norms), pool)
+    got = step.stacked_layers(x, residual, ops.stack_layers(1, layers, *norms), pool)
     assert all(torch.equal(a, b) for a, b in zip(got, want)) and torch.equal(pool, want_pool)
 
 
@@ -105,13 +117,13 @@ def test_a_run_from_the_first_layer_starts_the_residual_stream():
     layers, norms, pool, step, x, _ = _setup(torch.bfloat16, 64)
     want_pool = pool.clone()
     want = _per_layer(step, layers, norms, want_pool, x, None, gemm.isa(), first=0)
-    got = step.int8_layers(x, None, ops.stack_int8_layers(0, layers, *norms), pool)
+    got = step.stacked_layers(x, None, ops.stack_layers(0, layers, *norms), pool)
     assert all(torch.equal(a, b) for a, b in zip(got, want)) and torch.equal(pool, want_pool)
 
 
 def test_the_layers_hold_views_of_the_stack():
     layers, norms, *_ = _setup(torch.bfloat16, 64)
-    stack = ops.stack_int8_layers(1, layers, *norms)
+    stack = ops.stack_layers(1, layers, *norms)
     views = stack.views()
     assert (stack.first, stack.count, len(views)) == (1, 3, 3)
     for i, (view, layer) in enumerate(zip(views, layers)):
@@ -123,37 +135,59 @@ def test_the_layers_hold_views_of_the_stack():
     assert torch.equal(gemm.linear(x, views[2]["qkv"]), gemm.linear(x, layers[2]["qkv"]))
 
 
+@needs_bf16_kernel
+def test_bf16_layers_hold_views_of_the_stack_with_their_biases():
+    layers, norms, *_ = _setup(torch.bfloat16, 64, bf16=True)
+    stack = ops.stack_layers(1, layers, *norms)
+    for view, layer in zip(stack.views(), layers):
+        for name, weight in view.items():
+            assert np.shares_memory(weight.packed, stack.packed[layers_mod.PROJECTIONS.index(name)])
+            assert np.shares_memory(weight.bias, stack.extras[layers_mod.PROJECTIONS.index(name)])
+            assert (weight.out_features, weight.in_features) == (layer[name].out_features, layer[name].in_features)
+            assert torch.equal(weight.unpacked(), layer[name].unpacked())
+            assert np.array_equal(weight.bias, layer[name].bias)
+    assert np.any(stack.extras[0][1])  # the q/k/v bias came along
+
+
 def test_what_cannot_join_a_stack_is_named():
     layers, norms, *_ = _setup(torch.float32, 64, count=2)
-    assert ops.int8_stackable(layers[0], {}) is None
-    assert ops.int8_stackable(layers[0], {"qkv": torch.zeros(1)}) == "qkv has a bias"
-    assert ops.int8_stackable({**layers[0], "down": torch.zeros(2, 2)}, {}) == "down is not a grouped int8 weight"
+    assert ops.layer_stackable(layers[0], {}) is None
+    assert ops.layer_stackable(layers[0], {"qkv": torch.zeros(1)}) == "qkv has a bias"
+    assert ops.layer_stackable({**layers[0], "down": torch.zeros(2, 2)}, {}) == "down is not a grouped int8 weight"
     odd = gemm.quantize_weight(torch.randn(HIDDEN - 8, INTER))
-    assert "not whole tiles of 16" in ops.int8_stackable({**layers[0], "down": odd}, {})
+    assert "not whole tiles of 16" in ops.layer_stackable({**layers[0], "down": odd}, {})
     with pytest.raises(KernelError, match="layer 2: down has 248 outputs"):
-        ops.stack_int8_layers(1, [layers[0], {**layers[1], "down": odd}], *norms)
+        ops.stack_layers(1, [layers[0], {**layers[1], "down": odd}], *norms)
     with pytest.raises(KernelError, match="o_proj weights differ"):
-        ops.stack_int8_layers(1, [layers[0], {**layers[1], "o_proj": gemm.quantize_weight(torch.randn(HIDDEN, 512))}],
+        ops.stack_layers(1, [layers[0], {**layers[1], "o_proj": gemm.quantize_weight(torch.randn(HIDDEN, 512))}],
                               *norms)
     with pytest.raises(KernelError, match="norms must be"):
-        ops.stack_int8_layers(1, layers, norms[0], [torch.ones(HIDDEN + 1)] * 2)
+        ops.stack_layers(1, layers, norms[0], [torch.ones(HIDDEN + 1)] * 2)
     with pytest.raises(KernelError, match="kernel 'amx' does not run here"):
-        ops.stack_int8_layers(1, layers, *norms, kernel="amx")
+        ops.stack_layers(1, layers, *norms, kernel="amx")
+    bf16 = _layer(torch.Generator().manual_seed(1), 64, bf16=True)
+    assert ops.layer_stackable(bf16, {"qkv": torch.zeros(1)}) is None  # the bf16 kernel adds its own bias
+    assert "not all grouped int8 or all bf16" in ops.layer_stackable({**bf16, "down": layers[0]["down"]}, {})
+    ragged = bf16_gemm.pack(torch.randn(HIDDEN, INTER - 16))
+    assert "384 inputs" not in ops.layer_stackable({**bf16, "down": ragged}, {})
+    assert "368 inputs, not whole chunks of 32" in ops.layer_stackable({**bf16, "down": ragged}, {})
+    with pytest.raises(KernelError, match="layer 2: the projections are not all"):
+        ops.stack_layers(1, [bf16, {**bf16, "qkv": layers[0]["qkv"]}], *norms)
 
 
 def test_a_run_refuses_a_step_it_cannot_serve():
     """Prompt rows, or a pool that is not the layers' one array: a clear error, nothing written."""
     layers, norms, pool, step, x, residual = _setup(torch.bfloat16, 64)
-    stack = ops.stack_int8_layers(1, layers, *norms)
+    stack = ops.stack_layers(1, layers, *norms)
     before = pool.clone()
     with pytest.raises(KernelError, match="contiguous"):
-        step.int8_layers(x, residual, stack, pool[:, 0])
+        step.stacked_layers(x, residual, stack, pool[:, 0])
     with pytest.raises(KernelError, match="contiguous"):
-        step.int8_layers(x, residual, stack, pool.float())
+        step.stacked_layers(x, residual, stack, pool.float())
     g = torch.Generator().manual_seed(3)
     prompt = ops.cpu_step(6, HIDDEN, HQ, HKV, 64, torch.bfloat16, 1e-5, torch.arange(6), torch.arange(6),
                           reference.rotary_cos_sin_cache(64, 64, 10000.0), pool[1, 0], pool[1, 1], 0,
                           torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), 0.125)
     with pytest.raises(KernelError, match="decode rows only"):
-        prompt.int8_layers(torch.randn(6, HIDDEN, generator=g).to(torch.bfloat16), None, stack, pool)
+        prompt.stacked_layers(torch.randn(6, HIDDEN, generator=g).to(torch.bfloat16), None, stack, pool)
     assert torch.equal(pool, before)

@@ -1,0 +1,230 @@
+"""A run of decoder layers at decode, as one compiled call: what ``CpuStep``'s per-layer calls compute.
+
+Why: a decode step of SmolLM2 makes ~10 kernel calls per layer (two RMSNorms, four projections, rotary with
+the KV write, attention), ~280 a step, and each paid Python around it: numpy views, the GEMM's checks,
+numba's dispatch of five to eleven arguments, ``torch.from_numpy``, the query's widening and the output's
+rounding as torch ops. A 14-row int8 projection's call measured 43.5 us against 35.7 us for its kernel
+alone, an RMSNorm of 14 rows 15 us for ~3 us of work. Here a run of layers is one call of a numba function
+that calls the same compiled kernels in the same order on buffers it allocates once, so its results are
+the per-layer path's bit for bit (``tests/kernels/test_cpu_decode_layers.py``) and only the glue goes.
+
+Two kinds of run, one per GEMM: grouped int8 weights (``apiary.kernels.cpu_int8_gemm``, an int8 engine's
+middle layers) and bf16 weights through the ``vdpbf16ps`` kernel (``apiary.kernels.cpu_bf16_gemm``, the
+bf16 engine's every layer). What a run needs (``stackable``; the engine takes the per-layer path
+otherwise): one kind for the four projections of every layer, output widths that are whole 16-output
+tiles and (bf16) input widths that are whole 32-input chunks, so nothing is padded between one kernel's
+output and the next one's input; int8 projections without biases (the int8 kernel adds none; the bf16 one
+adds its own); and a float KV pool whose layers are one array. Decode rows only: prompt chunks take
+milliseconds a layer, where the glue does not show, and their attention kernels are chosen by run length.
+
+The weights are stacked once (``[layers, ...]`` per projection) and each layer's weight becomes a view of
+its slice (``LayerStack.views``), so the model holds them once. The function is built per GEMM kernel and
+attention kernel (``_layers_of``) and compiled once per process, not cached on disk: numba keys a cached
+function by its own source file only, and a cached copy would go on calling the kernels it was compiled
+with after they change.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from numba import njit
+
+from apiary.kernels import cpu_attention, cpu_bf16_gemm, cpu_int8_gemm
+from apiary.kernels.cpu_attention import _NO_SCALES, _as_f32
+from apiary.kernels.cpu_bf16_gemm import CHUNK, PackedBF16
+from apiary.kernels.cpu_int8_gemm import TILE, GroupedWeight
+from apiary.kernels.cpu_layers import (PARALLEL_ROWS, _np, _rms_norm, _rms_norm_rows, _rotary_write_kv,
+                                       _rotary_write_kv_rows, _store)
+from apiary.kernels.errors import KernelError
+
+PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")  # a layer's projections, in the order they run
+BF16 = "bf16"  # ``LayerStack.gemm`` of a run through the bf16 kernel (an int8 run names its grouped kernel)
+StackWeight = GroupedWeight | PackedBF16
+
+
+@dataclass(frozen=True, slots=True)
+class LayerStack:
+    """Decoder layers ``first .. first + count - 1``, stacked: per projection (``PROJECTIONS``' order) the packed
+    weights with a leading ``[count]`` axis and, beside them, ``extras``: the int8 weights' scales ``[count, N / 16,
+    Kp / 64, 16]`` float32, or the bf16 weights' biases ``[count, Np]`` float32 (zeros for none); each one's
+    ``in_features``; RMSNorm weights ``[count, hidden]`` (bf16 as its int16 bits). ``gemm``: ``BF16``, or the grouped
+    int8 GEMM's kernel the run calls (one of ``cpu_int8_gemm.runnable()``)."""
+
+    first: int
+    count: int
+    gemm: str
+    input_norms: np.ndarray
+    post_norms: np.ndarray
+    packed: tuple[np.ndarray, ...]
+    extras: tuple[np.ndarray, ...]
+    in_features: tuple[int, ...]
+
+    def views(self) -> list[dict[str, StackWeight]]:
+        """Each layer's projections as views of the stack (``GroupedWeight`` or ``PackedBF16``, as stacked), for
+        the layers to hold instead of their own copies."""
+        if self.gemm == BF16:
+            return [{name: PackedBF16(packed[i], bias[i], packed.shape[1] * TILE, k)
+                     for name, packed, bias, k in zip(PROJECTIONS, self.packed, self.extras, self.in_features)}
+                    for i in range(self.count)]
+        return [{name: GroupedWeight(packed[i], scales[i], packed.shape[1] * TILE, k)
+                 for name, packed, scales, k in zip(PROJECTIONS, self.packed, self.extras, self.in_features)}
+                for i in range(self.count)]
+
+
+def stackable(weights: dict[str, object], biases: dict[str, object]) -> str | None:
+    """Why one layer's projections (``PROJECTIONS`` -> weight, -> bias) cannot join a stack, or None. Weights are
+    ``GroupedWeight`` (int8) or ``PackedBF16`` (bf16, its bias packed with it), all of one kind."""
+    kinds = {type(weights.get(name)) for name in PROJECTIONS}
+    if kinds == {PackedBF16}:
+        for name in PROJECTIONS:
+            weight = weights[name]
+            if weight.out_features % TILE:  # type: ignore[attr-defined]
+                return f"{name} has {weight.out_features} outputs, not whole tiles of {TILE}"  # type: ignore[attr-defined]
+            if weight.in_features % CHUNK:  # type: ignore[attr-defined]
+                return f"{name} has {weight.in_features} inputs, not whole chunks of {CHUNK}"  # type: ignore[attr-defined]
+        return None
+    for name in PROJECTIONS:
+        weight = weights.get(name)
+        if not isinstance(weight, GroupedWeight):
+            return (f"{name} is not a grouped int8 weight" if PackedBF16 not in kinds
+                    else "the projections are not all grouped int8 or all bf16-kernel weights")
+        if biases.get(name) is not None:
+            return f"{name} has a bias"
+        if weight.out_features % TILE:
+            return f"{name} has {weight.out_features} outputs, not whole tiles of {TILE}"
+    return None
+
+
+def stack(first: int, layers: list[dict[str, StackWeight]], input_norms: list[torch.Tensor],
+          post_norms: list[torch.Tensor], kernel: str | None = None) -> LayerStack:
+    """Stack consecutive layers (from layer ``first``): their projections (``PROJECTIONS`` -> weight, each layer
+    ``stackable``, all of one kind) and norms. ``kernel``: for int8 weights, one of ``cpu_int8_gemm.runnable()``
+    (default: the best)."""
+    if not layers or len(input_norms) != len(layers) or len(post_norms) != len(layers):
+        raise KernelError("cpu_decode_layers.stack takes one or more layers, each with its two norms")
+    for i, layer in enumerate(layers):
+        why = stackable(layer, {})
+        if why is not None:
+            raise KernelError(f"cpu_decode_layers.stack: layer {first + i}: {why}")
+    bf16 = isinstance(layers[0]["qkv"], PackedBF16)
+    if any(isinstance(layer["qkv"], PackedBF16) != bf16 for layer in layers):
+        raise KernelError("cpu_decode_layers.stack: the layers are not all of one kind (int8 or bf16)")
+    if bf16 and not cpu_bf16_gemm.available():
+        raise KernelError(f"cpu_decode_layers.stack: this CPU lacks {', '.join(cpu_bf16_gemm.FEATURES)} for bf16 weights")
+    gemm = BF16 if bf16 else cpu_int8_gemm.compiled_kernel(kernel)[0]
+    packed, extras, in_features = [], [], []
+    for name in PROJECTIONS:
+        weights = [layer[name] for layer in layers]
+        extra = [w.bias if isinstance(w, PackedBF16) else w.scales for w in weights]
+        shapes = {(w.packed.shape, e.shape, w.in_features) for w, e in zip(weights, extra)}
+        if len(shapes) != 1:
+            raise KernelError(f"cpu_decode_layers.stack: the layers' {name} weights differ: {sorted(shapes)}")
+        packed.append(np.stack([w.packed for w in weights]))
+        extras.append(np.stack(extra))
+        in_features.append(weights[0].in_features)
+    hidden = in_features[0]
+    norms = []
+    for group in (input_norms, post_norms):
+        if any(n.dtype not in (torch.float32, torch.bfloat16) or tuple(n.shape) != (hidden,) for n in group):
+            raise KernelError(f"cpu_decode_layers.stack: norms must be float32 or bfloat16 vectors of {hidden}")
+        norms.append(_np(torch.stack([n.to(group[0].dtype) for n in group]).contiguous()))
+    return LayerStack(first, len(layers), gemm, norms[0], norms[1], tuple(packed), tuple(extras), tuple(in_features))
+
+
+@njit(inline="always")
+def _norm(wide, x, residual, has_residual, weight, eps, out, summed):  # type: ignore[no-untyped-def]
+    """``_rms_norm``, or its row-parallel twin for ``wide`` steps (as ``CpuStep.rms_norm`` chooses)."""
+    if wide:
+        _rms_norm_rows(x, residual, has_residual, weight, eps, out, summed)
+    else:
+        _rms_norm(x, residual, has_residual, weight, eps, out, summed)
+
+
+@functools.cache
+def _layers_of(kernel: str, head_dim: int, group: int):  # type: ignore[no-untyped-def]
+    """The compiled run for one GEMM kernel (``LayerStack.gemm``) and one attention kernel
+    (``cpu_attention.decode_kernel_key``'s ``(head_dim, group)``; ``(0, 0)`` for the generic one). Both GEMMs are
+    called as ``gemm(x, packed, extra, out, gated)``."""
+    gemm = cpu_bf16_gemm._linear if kernel == BF16 else cpu_int8_gemm.compiled_kernel(kernel)[1]
+    attend = cpu_attention._decode_kernel(head_dim, group)
+
+    @njit(nogil=True, boundscheck=False)
+    def layers(x, residual, has_residual, pool, first, input_norms, post_norms, qkv_w, qkv_e, o_w, o_e, gu_w, gu_e,
+               down_w, down_e, num_heads, positions, cos_sin, slots, tables, lens, scale, window, eps,
+               no_scales, yes, no):  # type: ignore[no-untyped-def]
+        """``(x, residual)`` after the stack's layers, from the hidden rows ``x [T, H]`` and the residual stream
+        (``has_residual`` False: none yet, as before a model's first layer). Each layer is ``LlamaModel.forward``'s
+        CPU path: norm, qkv, rotary and the KV write into ``pool[first + l]``, decode attention, o_proj, norm,
+        gate/up, down. ``yes``/``no``: True and False as run-time values, for the kernels' flags: a constant is
+        typed as a literal and compiles the kernels again, specialised, where the per-layer path calls the ones
+        compiled for run-time flags, and LLVM may vectorise the two apart (seen once: a float32 run an ulp off)."""
+        t = x.shape[0]
+        num_kv_heads, head_dim = pool.shape[4], pool.shape[5]
+        normed = np.empty_like(x)
+        sum_a, sum_b = np.empty_like(x), np.empty_like(x)  # the residual stream, taking turns
+        qkv = np.empty((t, qkv_w.shape[1] * TILE), x.dtype)
+        q = np.empty((t, num_heads, head_dim), x.dtype)
+        q32 = np.empty((t, num_heads, head_dim), np.float32)
+        attn32 = np.empty((t, num_heads, head_dim), np.float32)
+        attn = np.empty((t, num_heads * head_dim), x.dtype)
+        o = np.empty((t, o_w.shape[1] * TILE), x.dtype)
+        gate_up = np.empty((t, gu_w.shape[1] * TILE), x.dtype)
+        out = np.empty((t, down_w.shape[1] * TILE), x.dtype)
+        hidden, res = x, residual
+        turn = 0
+        wide = t >= PARALLEL_ROWS  # the row-parallel norm and rotary, as ``CpuStep`` takes them
+        for layer in range(input_norms.shape[0]):
+            k_cache, v_cache = pool[first + layer, 0], pool[first + layer, 1]
+            # the sum goes to the buffer the residual is not in (``CpuStep.rms_norm``: aliasing changes rounding)
+            target = sum_a if turn == 0 else sum_b
+            if has_residual or layer > 0:
+                _norm(wide, hidden, res, yes, input_norms[layer], eps, normed, target)
+                res, turn = target, 1 - turn
+            else:  # no residual stream yet: it starts as the rows themselves
+                _norm(wide, hidden, hidden, no, input_norms[layer], eps, normed, normed)
+                res = hidden
+            gemm(normed, qkv_w[layer], qkv_e[layer], qkv, no)
+            k_rows, v_rows = (k_cache.reshape((-1, num_kv_heads, head_dim)),
+                              v_cache.reshape((-1, num_kv_heads, head_dim)))
+            if wide:
+                _rotary_write_kv_rows(qkv, num_heads, num_kv_heads, positions, cos_sin, q, k_rows, v_rows, slots)
+            else:
+                _rotary_write_kv(qkv, num_heads, num_kv_heads, positions, cos_sin, q, k_rows, v_rows, slots)
+            for i in range(t):
+                for h in range(num_heads):
+                    for d in range(head_dim):
+                        q32[i, h, d] = _as_f32(q[i, h, d])
+            attend(q32, k_cache, v_cache, no_scales, no_scales, no, tables, lens, scale, window, attn32)
+            for i in range(t):
+                for h in range(num_heads):
+                    for d in range(head_dim):
+                        attn[i, h * head_dim + d] = _store(attn, attn32[i, h, d])
+            gemm(attn, o_w[layer], o_e[layer], o, no)
+            target = sum_a if turn == 0 else sum_b
+            _norm(wide, o, res, yes, post_norms[layer], eps, normed, target)
+            res, turn = target, 1 - turn
+            gemm(normed, gu_w[layer], gu_e[layer], gate_up, no)
+            gemm(gate_up, down_w[layer], down_e[layer], out, yes)
+            hidden = out
+        return hidden, res
+
+    return layers
+
+
+
+def run(stack: LayerStack, x: np.ndarray, residual: np.ndarray | None, pool: np.ndarray, num_heads: int,
+        positions: np.ndarray, cos_sin: np.ndarray, slots: np.ndarray, tables: np.ndarray, lens: np.ndarray,
+        scale: np.float32, window: int, eps: np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """The stack's layers over numpy views a caller checked (``cpu_layers.CpuStep.stacked_layers``):
+    ``x``/``residual`` ``[T, H]`` (bf16 as int16 bits; no residual before a model's first layer), ``pool [layers, 2,
+    blocks, block_size, Hkv, D]`` of ``x``'s dtype, one decode row per token. Returns new ``(x, residual)`` arrays."""
+    if stack.gemm == BF16 and x.dtype != np.int16:
+        raise KernelError("cpu_decode_layers.run: a bf16 stack takes bf16 rows")
+    compiled = _layers_of(stack.gemm, *cpu_attention.decode_kernel_key(num_heads, pool.shape[4], pool.shape[5]))
+    (qkv_w, o_w, gu_w, down_w), (qkv_e, o_e, gu_e, down_e) = stack.packed, stack.extras
+    return compiled(x, x if residual is None else residual, residual is not None, pool, stack.first, stack.input_norms,
+                    stack.post_norms, qkv_w, qkv_e, o_w, o_e, gu_w, gu_e, down_w, down_e, num_heads, positions, cos_sin,
+                    slots, tables, lens, scale, window, eps, _NO_SCALES, True, False)
