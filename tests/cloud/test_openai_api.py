@@ -2,6 +2,7 @@
 on a live uvicorn server with the real engine and SmolLM2 weights."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -363,55 +364,100 @@ def test_disconnects_abort_every_choice(server, cloud_engine, idle_engine):  # n
     wait_for(lambda: cloud_engine.metrics()["kv_blocks_used"] == 0)
 
 
-def test_an_int8_server_decodes_through_its_run_of_layers(tmp_path, keys, gguf_path, monkeypatch):
-    """`apiary cloud serve --weights int8`'s engine behind the REST door: concurrent streamed chats decode through
-    the run of int8 layers in one call (``CpuStep.stacked_layers``), and answer, token for token and logprob for
-    logprob, what the per-layer path answers once the run is switched off; a JSON-schema answer through the LM head
-    that ranks in int8 (handed the grammar's bitmask) is a document of its schema."""
-    import concurrent.futures
-
+@contextlib.contextmanager
+def _served(llm, tmp_path, keys, gguf_path):
+    """``llm`` behind the REST door (``CloudService``, as `apiary cloud serve` runs it): an ``openai`` client."""
     import openai
 
-    from apiary.cloud.engine import AsyncEngine, EngineConfig, LLMEngine, int8
+    from apiary.cloud.engine import AsyncEngine
     from apiary.cloud.service import CloudService
     from apiary.cloud.settings import CloudSettings
-    from apiary.kernels import cpu_layers
 
-    if int8.gemm_choice().backend != "grouped":
-        pytest.skip("the run takes grouped int8 weights; this host's int8 is per-token")
-    calls = []
-    through = cpu_layers.CpuStep.stacked_layers
-    monkeypatch.setattr(cpu_layers.CpuStep, "stacked_layers", lambda *a: calls.append(1) or through(*a))
-    llm = LLMEngine(EngineConfig(model_path=gguf_path, weights="int8", max_num_seqs=4, kv_cache_bytes=64 << 20))
-    assert isinstance(llm.runner.model.head, int8.RefinedHead)
-    refined = int8.RefinedHead.__call__
     engine = AsyncEngine(llm)
     service = CloudService(CloudSettings(port=0, db=str(tmp_path / "cloud.db"), api_key_file=str(keys.path),
                                          generate_key="never", images=str(tmp_path / "images"), model=str(gguf_path),
                                          served_model_name=MODEL_NAME), engine=engine)
     service.start()
     try:
-        oa = openai.OpenAI(base_url=service.url + "/v1", api_key=keys.create(["inference"]), max_retries=0)
+        yield openai.OpenAI(base_url=service.url + "/v1", api_key=keys.create(["inference"]), max_retries=0)
+    finally:
+        service.stop()
+        engine.shutdown()
 
-        def answer(messages):
-            stream = oa.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=12, temperature=0,
-                                                logprobs=True, stream=True)
-            chunks = [c.choices[0] for c in stream if c.choices]
-            return ("".join(c.delta.content or "" for c in chunks),
-                    [(t.token, t.logprob) for c in chunks if c.logprobs for t in c.logprobs.content or []])
 
-        def all_answers():
-            with concurrent.futures.ThreadPoolExecutor(3) as pool:
-                return list(pool.map(answer, [QUESTION, POEM, YES_NO]))
+def _through_the_run_and_without(oa, llm, monkeypatch) -> tuple[list, int, list]:
+    """Three concurrent streamed greedy chats (text, and each token's logprob) with the engine's run of layers in
+    one call (``CpuStep.stacked_layers``), how many steps took it, then the same chats with the run switched off."""
+    import concurrent.futures
 
-        fused = all_answers()
-        assert len(calls) >= 8 and all(text for text, _ in fused)
-        model = llm.runner.model  # the engine is idle between the rounds: the next step reads the attribute
-        stack, model.layer_stack = model.layer_stack, None
-        calls.clear()
+    from apiary.kernels import cpu_layers
+
+    calls = []
+    through = cpu_layers.CpuStep.stacked_layers
+    monkeypatch.setattr(cpu_layers.CpuStep, "stacked_layers", lambda *a: calls.append(1) or through(*a))
+
+    def answer(messages):
+        stream = oa.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=12, temperature=0,
+                                            logprobs=True, stream=True)
+        chunks = [c.choices[0] for c in stream if c.choices]
+        return ("".join(c.delta.content or "" for c in chunks),
+                [(t.token, t.logprob) for c in chunks if c.logprobs for t in c.logprobs.content or []])
+
+    def all_answers():
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            return list(pool.map(answer, [QUESTION, POEM, YES_NO]))
+
+    fused = all_answers()
+    fused_calls = len(calls)
+    model = llm.runner.model  # the engine is idle between the rounds: the next step reads the attribute
+    stack, model.layer_stack = model.layer_stack, None
+    calls.clear()
+    try:
         layered = all_answers()
+    finally:
         model.layer_stack = stack
-        assert not calls and layered == fused
+    assert not calls
+    return fused, fused_calls, layered
+
+
+def test_a_bf16_server_decodes_through_its_run_of_layers(tmp_path, keys, gguf_path, monkeypatch):
+    """`apiary cloud serve`'s default engine where bf16 is native and our vdpbf16ps kernel runs, behind the REST
+    door: concurrent streamed chats decode through the run of all 30 layers in one call, and answer, token for
+    token and logprob for logprob, what the per-layer path answers once the run is switched off."""
+    import importlib
+
+    from apiary.cloud.engine import EngineConfig, LLMEngine
+    from apiary.kernels import cpu, ops
+
+    if not (cpu.native_bf16(cpu.host_flags()) and ops.numba_available()
+            and importlib.import_module("apiary.kernels.cpu_bf16_gemm").available()):
+        pytest.skip("this host's bf16 layers do not take the vdpbf16ps kernel (no avx512_bf16 for numba)")
+    llm = LLMEngine(EngineConfig(model_path=gguf_path, max_num_seqs=4, kv_cache_bytes=64 << 20))  # dtype auto
+    stack = llm.runner.model.layer_stack
+    assert stack is not None and (stack.first, stack.count, stack.gemm) == (0, 30, "bf16")
+    with _served(llm, tmp_path, keys, gguf_path) as oa:
+        fused, calls, layered = _through_the_run_and_without(oa, llm, monkeypatch)
+    assert calls >= 8 and all(text for text, _ in fused)
+    assert layered == fused
+
+
+def test_an_int8_server_decodes_through_its_run_of_layers(tmp_path, keys, gguf_path, monkeypatch):
+    """`apiary cloud serve --weights int8`'s engine behind the REST door: concurrent streamed chats decode through
+    the run of int8 layers in one call (``CpuStep.stacked_layers``), and answer, token for token and logprob for
+    logprob, what the per-layer path answers once the run is switched off; a JSON-schema answer through the LM head
+    that ranks in int8 (handed the grammar's bitmask) is a document of its schema."""
+    from apiary.cloud.engine import EngineConfig, LLMEngine, int8
+
+    if int8.gemm_choice().backend != "grouped":
+        pytest.skip("the run takes grouped int8 weights; this host's int8 is per-token")
+    llm = LLMEngine(EngineConfig(model_path=gguf_path, weights="int8", max_num_seqs=4, kv_cache_bytes=64 << 20))
+    assert isinstance(llm.runner.model.head, int8.RefinedHead)
+    refined = int8.RefinedHead.__call__
+    with _served(llm, tmp_path, keys, gguf_path) as oa:
+        fused, calls, layered = _through_the_run_and_without(oa, llm, monkeypatch)
+        assert calls >= 8 and all(text for text, _ in fused)
+        assert layered == fused
+        model = llm.runner.model
         # A structured answer: the step's grammar bitmask reaches the head, which ranks in int8 (int8.RefinedHead)
         masks = []
         head = model.head
@@ -423,6 +469,3 @@ def test_an_int8_server_decodes_through_its_run_of_layers(tmp_path, keys, gguf_p
         assert done.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(done.choices[0].message.content), HIVE_SCHEMA)
         assert any(m is not None for m in masks)
-    finally:
-        service.stop()
-        engine.shutdown()
