@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence as Seq
 
+import numpy as np
 import torch
 
 from apiary.cloud.engine.sampling_params import SamplingParams
@@ -196,6 +197,15 @@ def sampling_probs(logits: torch.Tensor, params: Seq[SamplingParams]) -> torch.T
 # ------------------------------------------------------------------ 4. the draw
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)``: the first maximum of each row (NaN counting as the largest, as in torch). CPU float32
+    goes through numpy: torch's CPU argmax took 500 us for a decode step's 14 x 49,152 logits (2 threads), numpy's
+    45 us, about 2% of the step."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() >= 1 and x.shape[-1] and not x.requires_grad:
+        return torch.from_numpy(np.asarray(x.numpy().argmax(axis=-1)))  # a 1-D input: a 0-d tensor, as torch's
+    return x.argmax(dim=-1)
+
+
 def race_noise(vocab: int, generator: torch.Generator) -> torch.Tensor:
     """One position's Exp(1) noise ``[V]`` from a request's generator: what one sampled token costs its
     random stream, on the plain and the speculative path alike."""
@@ -204,7 +214,7 @@ def race_noise(vocab: int, generator: torch.Generator) -> torch.Tensor:
 
 def race(p: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """The winners of the exponential race, argmax of p / E over the last dim: an exact draw from p."""
-    return (p.float().cpu() / noise.clamp(min=1e-30)).argmax(dim=-1).to(p.device)
+    return argmax_rows(p.float().cpu() / noise.clamp(min=1e-30)).to(p.device)
 
 
 def draw(p: torch.Tensor, generators: Seq[torch.Generator]) -> torch.Tensor:
@@ -216,7 +226,7 @@ def draw(p: torch.Tensor, generators: Seq[torch.Generator]) -> torch.Tensor:
 
 def choose(processed: torch.Tensor, params: Seq[SamplingParams], generators: Seq[torch.Generator]) -> torch.Tensor:
     """The token of each row of processed logits: argmax for greedy rows, a draw for the others."""
-    tokens = processed.argmax(dim=-1)
+    tokens = argmax_rows(processed)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         tokens[rows] = draw(sampling_probs(processed[rows], [params[i] for i in rows]), [generators[i] for i in rows])

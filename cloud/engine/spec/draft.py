@@ -26,7 +26,7 @@ from apiary.cloud.engine.model import LlamaModel
 from apiary.cloud.engine.outputs import RequestMetrics
 from apiary.cloud.engine.sequence import Sequence
 from apiary.cloud.engine.spec.batching import Entry, build_inputs
-from apiary.cloud.engine.sampling import Row, draw, sampling_probs
+from apiary.cloud.engine.sampling import Row, argmax_rows, draw, sampling_probs
 
 
 CATCH_UP_TOKENS = 512
@@ -186,7 +186,7 @@ class DraftProposer:
             logits = self.model.logits(hidden[inputs.last_rows]).float()
             if process is not None:
                 logits = process(logits, [Row(seqs[i], tuple(tokens[i])) for i in rows])
-            chosen = logits.argmax(dim=-1)
+            chosen = argmax_rows(logits)
             pick = [j for j, i in enumerate(rows) if not seqs[i].params.greedy]
             if pick:
                 q = sampling_probs(logits[pick], [seqs[rows[j]].params for j in pick])

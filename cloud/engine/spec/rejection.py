@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from apiary.cloud.engine.sampling_params import SamplingParams
-from apiary.cloud.engine.sampling import TokenLogprob, draw, race, race_noise, sampling_probs
+from apiary.cloud.engine.sampling import TokenLogprob, argmax_rows, draw, race, race_noise, sampling_probs
 
 
 @dataclass(slots=True)
@@ -110,7 +110,7 @@ def verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor, num_draft: t
 
     rows = torch.nonzero(greedy).flatten()
     if rows.numel():  # prefix match against the target's argmax
-        best = target_logits[rows].argmax(dim=-1)  # [G, K+1]
+        best = argmax_rows(target_logits[rows])  # [G, K+1]
         ok = (best[:, :k] == draft_tokens[rows]) & valid[rows]
         n = ok.long().cumprod(dim=1).sum(dim=1)
         num_acc[rows] = n

@@ -8,7 +8,8 @@ import torch
 
 from apiary.cloud.engine.errors import RequestRejected
 from apiary.cloud.engine.outputs import RequestMetrics
-from apiary.cloud.engine.sampling import Row, apply_bitmask, logprobs_of, probs, process, sample, temper
+from apiary.cloud.engine.sampling import (Row, apply_bitmask, argmax_rows, logprobs_of, probs, process, sample,
+                                          temper)
 from apiary.cloud.engine.sampling_params import SamplingParams, StructuredOutput
 from apiary.cloud.engine.sequence import Sequence
 from tests.cloud.engine.test_speculative_units import chi_square_pvalue
@@ -146,3 +147,32 @@ def test_structured_output_needs_a_known_kind_and_a_spec() -> None:
     with pytest.raises(RequestRejected, match="spec"):
         StructuredOutput("regex", "")
     assert StructuredOutput("json_object").spec == ""
+
+
+@pytest.mark.parametrize("case", ["random", "ties", "masked", "nan", "strided", "1-d", "3-d", "no rows", "bf16"])
+def test_argmax_rows_is_torchs_argmax(case: str) -> None:
+    """The greedy token of every row as torch's ``argmax`` gives it: the first of tied maxima, rows masked to
+    ``-inf`` but one token, a NaN counting as the largest, strided inputs, one row alone (a 0-d answer) and 3-D
+    ones (speculation's ``[G, K+1, V]``),
+    no rows, and dtypes numpy does not take (bf16: torch's own)."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(14, 1000, generator=g)
+    if case == "ties":
+        x = torch.randint(0, 3, (14, 1000), generator=g).float()
+    elif case == "masked":
+        x = torch.full((14, 1000), float("-inf"))
+        x[torch.arange(14), torch.arange(14) * 7] = -5.0
+    elif case == "nan":
+        x[3, 17] = x[3, 500] = float("nan")
+    elif case == "strided":
+        x = torch.randn(14, 2000, generator=g)[:, ::2]
+    elif case == "1-d":
+        x = x[5]
+    elif case == "3-d":
+        x = torch.randn(3, 5, 1000, generator=g)
+    elif case == "no rows":
+        x = x[:0]
+    elif case == "bf16":
+        x = x.bfloat16()
+    got = argmax_rows(x)
+    assert got.dtype == torch.int64 and got.shape == x.shape[:-1] and torch.equal(got, x.argmax(dim=-1))
