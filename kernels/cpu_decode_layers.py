@@ -65,36 +65,28 @@ class LayerStack:
     def views(self) -> list[dict[str, StackWeight]]:
         """Each layer's projections as views of the stack (``GroupedWeight`` or ``PackedBF16``, as stacked), for
         the layers to hold instead of their own copies."""
-        if self.gemm == BF16:
-            return [{name: PackedBF16(packed[i], bias[i], packed.shape[1] * TILE, k)
-                     for name, packed, bias, k in zip(PROJECTIONS, self.packed, self.extras, self.in_features)}
-                    for i in range(self.count)]
-        return [{name: GroupedWeight(packed[i], scales[i], packed.shape[1] * TILE, k)
-                 for name, packed, scales, k in zip(PROJECTIONS, self.packed, self.extras, self.in_features)}
+        kind = PackedBF16 if self.gemm == BF16 else GroupedWeight  # both: (packed, extra, out_features, in_features)
+        return [{name: kind(packed[i], extra[i], packed.shape[1] * TILE, k)
+                 for name, packed, extra, k in zip(PROJECTIONS, self.packed, self.extras, self.in_features)}
                 for i in range(self.count)]
 
 
 def stackable(weights: dict[str, object], biases: dict[str, object]) -> str | None:
     """Why one layer's projections (``PROJECTIONS`` -> weight, -> bias) cannot join a stack, or None. Weights are
-    ``GroupedWeight`` (int8) or ``PackedBF16`` (bf16, its bias packed with it), all of one kind."""
+    ``GroupedWeight`` (int8, no bias) or ``PackedBF16`` (bf16, its bias packed with it), all of one kind."""
     kinds = {type(weights.get(name)) for name in PROJECTIONS}
-    if kinds == {PackedBF16}:
-        for name in PROJECTIONS:
-            weight = weights[name]
-            if weight.out_features % TILE:  # type: ignore[attr-defined]
-                return f"{name} has {weight.out_features} outputs, not whole tiles of {TILE}"  # type: ignore[attr-defined]
-            if weight.in_features % CHUNK:  # type: ignore[attr-defined]
-                return f"{name} has {weight.in_features} inputs, not whole chunks of {CHUNK}"  # type: ignore[attr-defined]
-        return None
+    bf16 = kinds == {PackedBF16}
     for name in PROJECTIONS:
         weight = weights.get(name)
-        if not isinstance(weight, GroupedWeight):
-            return (f"{name} is not a grouped int8 weight" if PackedBF16 not in kinds
-                    else "the projections are not all grouped int8 or all bf16-kernel weights")
-        if biases.get(name) is not None:
+        if not isinstance(weight, (PackedBF16 if bf16 else GroupedWeight)):
+            return ("the projections are not all grouped int8 or all bf16-kernel weights" if PackedBF16 in kinds
+                    else f"{name} is not a grouped int8 weight")
+        if not bf16 and biases.get(name) is not None:
             return f"{name} has a bias"
         if weight.out_features % TILE:
             return f"{name} has {weight.out_features} outputs, not whole tiles of {TILE}"
+        if bf16 and weight.in_features % CHUNK:
+            return f"{name} has {weight.in_features} inputs, not whole chunks of {CHUNK}"
     return None
 
 
