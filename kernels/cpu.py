@@ -6,12 +6,15 @@ bf16 matmuls and they run slower than float32 (decode steps 0.55-0.60 s vs 0.30 
 AVX2 host), and the prepacked bf16 weights of ``apiary.cloud.engine.linear`` are not available. So the
 engine picks its dtype from the flags found here, tests skip what the host cannot do (naming the
 missing feature), and every benchmark prints the features. Everything takes the flags as an
-argument, so the decisions are testable for any CPU; ``host_flags()`` reads this machine's.
+argument, so the decisions are testable for any CPU; ``host_flags()`` reads this machine's, less the
+flags ``APIARY_CPU_HIDE`` names (``.ci/avx2-rehearsal`` hides AVX-512 and AMX, with torch, oneDNN and
+numba held to AVX2 too, so that an AVX2-only host's choices can be rehearsed on a bigger one).
 No torch import here: ``apiary.bench.common`` uses this for every benchmark.
 """
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Iterable
 
 # The features that decide speed paths here, in the order they are printed.
@@ -20,6 +23,7 @@ RELEVANT = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vn
 # Either one makes bf16 matmuls native (oneDNN's avx512_core_bf16 / avx512_core_amx kernels).
 BF16_FEATURES = ("avx512_bf16", "amx_bf16")
 CPUINFO = "/proc/cpuinfo"
+HIDE_ENV = "APIARY_CPU_HIDE"  # flags to treat as absent: "avx512*,amx*" (a trailing * matches a prefix)
 
 
 def parse_flags(cpuinfo: str) -> frozenset[str]:
@@ -48,9 +52,18 @@ def _cpuinfo() -> str:
         return ""
 
 
+def hide(flags: Iterable[str], spec: str) -> frozenset[str]:
+    """``flags`` without those ``spec`` names (comma- or space-separated; ``avx512*`` matches a prefix)."""
+    names = spec.replace(",", " ").split()
+    exact = {n for n in names if not n.endswith("*")}
+    prefixes = tuple(n[:-1] for n in names if n.endswith("*"))
+    return frozenset(f for f in flags if f not in exact and not (prefixes and f.startswith(prefixes)))
+
+
 def host_flags() -> frozenset[str]:
-    """This machine's CPU flags (empty where ``/proc/cpuinfo`` cannot be read)."""
-    return parse_flags(_cpuinfo())
+    """This machine's CPU flags (empty where ``/proc/cpuinfo`` cannot be read), less any ``APIARY_CPU_HIDE``
+    names: what every choice of dtype and kernel reads."""
+    return hide(parse_flags(_cpuinfo()), os.environ.get(HIDE_ENV, ""))
 
 
 def host_model_name() -> str:

@@ -48,6 +48,22 @@ def test_describe_lists_the_relevant_features_in_a_fixed_order() -> None:
     assert cpu.describe(set()) == "no AVX2/AVX-512/AMX flags found"
 
 
-def test_host_flags_read_this_machine() -> None:
+def test_host_flags_read_this_machine(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.delenv(cpu.HIDE_ENV, raising=False)
     with open(cpu.CPUINFO) as f:
         assert cpu.host_flags() == cpu.parse_flags(f.read())
+
+
+def test_hide_takes_names_and_prefixes() -> None:
+    flags = cpu.parse_flags(AMX_HOST)
+    kept = cpu.hide(flags, "avx512*, amx*,avx_vnni")
+    assert cpu.relevant(kept) == ["avx2", "fma", "f16c"] and cpu.native_bf16(kept) is None
+    assert cpu.hide(flags, "") == flags and cpu.hide(flags, "avx512") == flags  # no star: that exact name only
+    assert "avx512f" not in cpu.hide(flags, "avx512f") and "avx512bw" in cpu.hide(flags, "avx512f")
+
+
+def test_host_flags_leave_out_what_apiary_cpu_hide_names(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """How an AVX2-only host's choices are rehearsed on a bigger one (``.ci/avx2-rehearsal``)."""
+    monkeypatch.setenv(cpu.HIDE_ENV, "avx512*,amx*")
+    assert not any(f.startswith(("avx512", "amx")) for f in cpu.host_flags())
+    assert cpu.native_bf16(cpu.host_flags()) is None
