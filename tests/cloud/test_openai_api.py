@@ -12,6 +12,7 @@ import httpx
 import jsonschema
 import pydantic
 import pytest
+import torch
 
 from apiary.shared.assets import REGISTRY
 from tests.cloud.conftest import MODEL_NAME
@@ -385,10 +386,12 @@ def _served(llm, tmp_path, keys, gguf_path):
         engine.shutdown()
 
 
-def _through_the_run_and_without(oa, llm, monkeypatch) -> tuple[list, int, list]:
+def _through_the_run_and_without(oa, llm, monkeypatch, concurrent: bool = True) -> tuple[list, int, list]:
     """Three concurrent streamed greedy chats (text, and each token's logprob) with the engine's run of layers in
-    one call (``CpuStep.stacked_layers``), how many steps took it, then the same chats with the run switched off."""
-    import concurrent.futures
+    one call (``CpuStep.stacked_layers``), how many steps took it, then the same chats with the run switched off.
+    ``concurrent=False``: the chats one after another, for engines whose answers depend on the step's row count
+    (concurrent chats are batched differently in the two rounds)."""
+    import concurrent.futures as concurrent_futures
 
     from apiary.kernels import cpu_layers
 
@@ -404,7 +407,9 @@ def _through_the_run_and_without(oa, llm, monkeypatch) -> tuple[list, int, list]
                 [(t.token, t.logprob) for c in chunks if c.logprobs for t in c.logprobs.content or []])
 
     def all_answers():
-        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        if not concurrent:
+            return [answer(messages) for messages in (QUESTION, POEM, YES_NO)]
+        with concurrent_futures.ThreadPoolExecutor(3) as pool:
             return list(pool.map(answer, [QUESTION, POEM, YES_NO]))
 
     fused = all_answers()
@@ -412,6 +417,7 @@ def _through_the_run_and_without(oa, llm, monkeypatch) -> tuple[list, int, list]
     model = llm.runner.model  # the engine is idle between the rounds: the next step reads the attribute
     stack, model.layer_stack = model.layer_stack, None
     calls.clear()
+    llm.reset_prefix_cache()  # the second round's prompts computed in full again, as the first round's were
     try:
         layered = all_answers()
     finally:
@@ -442,10 +448,17 @@ def test_a_bf16_server_decodes_through_its_run_of_layers(tmp_path, keys, gguf_pa
 
 
 def test_an_int8_server_decodes_through_its_run_of_layers(tmp_path, keys, gguf_path, monkeypatch):
-    """`apiary cloud serve --weights int8`'s engine behind the REST door: concurrent streamed chats decode through
-    the run of int8 layers in one call (``CpuStep.stacked_layers``), and answer, token for token and logprob for
-    logprob, what the per-layer path answers once the run is switched off; a JSON-schema answer through the LM head
-    that ranks in int8 (handed the grammar's bitmask) is a document of its schema."""
+    """`apiary cloud serve --weights int8`'s engine behind the REST door: streamed chats decode through the run of
+    int8 layers in one call (``CpuStep.stacked_layers``), and answer, token for token and logprob for logprob, what
+    the per-layer path answers once the run is switched off; a JSON-schema answer through the LM head that ranks in
+    int8 (handed the grammar's bitmask) is a document of its schema.
+
+    With bf16 activations every projection is one of our kernels, whose rows do not depend on the batch, so the
+    chats run concurrently. With float32 ones (CPUs without native bf16) the first and last layers stay float32
+    through torch's sgemm, whose sums change with the step's row count, and the int8 activations' rounding turns
+    those last bits into logprobs a few hundredths apart: a prompt computed in one step of 35 rows or, its prefix
+    cached, in one of 3 (found in the AVX2 rehearsal, ``.ci/avx2-rehearsal``). So the rounds start from an empty
+    prefix cache, and there the chats go one at a time."""
     from apiary.cloud.engine import EngineConfig, LLMEngine, int8
 
     if int8.gemm_choice().backend != "grouped":
@@ -454,7 +467,8 @@ def test_an_int8_server_decodes_through_its_run_of_layers(tmp_path, keys, gguf_p
     assert isinstance(llm.runner.model.head, int8.RefinedHead)
     refined = int8.RefinedHead.__call__
     with _served(llm, tmp_path, keys, gguf_path) as oa:
-        fused, calls, layered = _through_the_run_and_without(oa, llm, monkeypatch)
+        fused, calls, layered = _through_the_run_and_without(oa, llm, monkeypatch,
+                                                             concurrent=llm.runner.dtype == torch.bfloat16)
         assert calls >= 8 and all(text for text, _ in fused)
         assert layered == fused
         model = llm.runner.model

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from apiary.cloud.engine import EngineConfig, LLMEngine
+from apiary.cloud.engine import EngineConfig, LLMEngine, SamplingParams
 from apiary.cloud.engine.errors import EngineError
 from apiary.kernels import cpu, ops
 from tests.cloud.engine.conftest import attention_calls, decodes_through_the_run, prompt_logits
@@ -185,6 +185,24 @@ def test_real_model_bfloat16_decodes_its_layers_in_one_call(gguf_path: Path, mon
     assert calls >= 20
     assert [o.output_token_ids for o in fused] == [o.output_token_ids for o in layered]
     assert [o.logprobs for o in fused] == [o.logprobs for o in layered]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_real_model_bfloat16_answers_do_not_depend_on_the_batch(gguf_path: Path) -> None:
+    """Where our bf16 kernel runs, every projection, the attention and the norms compute each row on its own, so
+    a request answers the same, token for token and logprob for logprob, alone or batched with others. (The
+    float32 engine does not: torch's sgemm sums a row differently by the step's row count.)"""
+    if not bf16_kernel_runs():
+        pytest.skip("this host's bf16 layers do not take the vdpbf16ps kernel (no avx512_bf16 for numba)")
+    engine = LLMEngine(EngineConfig(model_path=gguf_path, dtype="bfloat16", kv_cache_bytes=64 << 20))
+    prompts = [PROMPT, "Queen present", "Hive 3 lost weight", "Sensor 7 reports humidity 62% and a weight gain"]
+    params = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=2)
+    batched = engine.generate(prompts, params)
+    for prompt, together in zip(prompts, batched):
+        engine.reset_prefix_cache()
+        alone = engine.generate([prompt], params)[0]
+        assert (alone.output_token_ids, alone.logprobs) == (together.output_token_ids, together.logprobs), prompt
 
 
 def test_bad_checkpoints_raise_engine_error(tmp_path: Path) -> None:
