@@ -36,6 +36,8 @@ def serve(
     api_key_file: Optional[str] = typer.Option(None, help="hashed API keys, JSON lines [.apiary/cloud-keys.jsonl]"),
     dtype: Optional[str] = typer.Option(None, help="auto | float32 | bfloat16"),
     weights: Optional[str] = typer.Option(None, help="decoder weights: dtype | int8 (W8A8, CPU) [dtype]"),
+    head: Optional[str] = typer.Option(None, help="LM head: auto (bf16 and int8 engines on CPU rank in int8, the "
+                                                  "logits that can win exact) | dtype [auto]"),
     kv_cache_dtype: Optional[str] = typer.Option(None, help="KV cache rows: auto (= dtype) | int8 (per-token "
                                                             "scales, CPU: ~2x the tokens of bf16) [auto]"),
     worker_id: Optional[str] = typer.Option(None, help="this process's MQTT client id / worker name"),
@@ -65,7 +67,7 @@ def serve(
     try:
         settings = load_settings(config, broker=broker, host=host, port=port, model=model, adapter=adapter, db=db,
                                  images=images,
-                                 api_key_file=api_key_file, dtype=dtype, weights=weights,
+                                 api_key_file=api_key_file, dtype=dtype, weights=weights, head=head,
                                  kv_cache_dtype=kv_cache_dtype, worker_id=worker_id,
                                  speculative=speculative, draft_model=draft_model, tls_cert=tls_cert,
                                  tls_key=tls_key)

@@ -53,7 +53,7 @@ def build_engine(settings: CloudSettings):
     try:
         engine = LLMEngine(EngineConfig(
             model_path=path, adapter_path=settings.resolve_adapter_path(path), device=settings.device,
-            dtype=settings.dtype, weights=settings.weights, kv_cache_dtype=settings.kv_cache_dtype,
+            dtype=settings.dtype, weights=settings.weights, head=settings.head, kv_cache_dtype=settings.kv_cache_dtype,
             kv_cache_bytes=settings.kv_cache_mb << 20, max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens, max_waiting=settings.max_waiting,
             max_model_len=settings.max_model_len, num_threads=settings.num_threads, cuda_graphs=settings.cuda_graphs,

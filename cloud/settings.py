@@ -71,6 +71,9 @@ class CloudSettings(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # decoder weights: in `dtype`, or int8 (W8A8 + SmoothQuant, CPU only; docs/engine.md "int8 weights")
     weights: Literal["dtype", "int8"] = "dtype"
+    # the LM head: auto ranks in int8 with the logits that can win exact, for bf16 and int8 engines on CPU
+    # (docs/engine.md "The LM head ranks in int8"); dtype: in `dtype`
+    head: Literal["auto", "dtype"] = "auto"
     # KV cache rows: in `dtype`, or int8 with per-token scales (CPU only; docs/engine.md "int8 KV cache")
     kv_cache_dtype: Literal["auto", "int8"] = "auto"
     # on CUDA, decode steps replay captured graphs (docs/engine.md "CUDA graphs"); false: every step eager

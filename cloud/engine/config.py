@@ -10,6 +10,7 @@ from apiary.cloud.engine.spec.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHTS = ("dtype", "int8")
+HEADS = ("auto", "dtype")
 KV_CACHE_DTYPES = ("auto", "int8")
 
 
@@ -20,9 +21,12 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"  # auto: float32 on CPU (the correctness reference), bfloat16 on CUDA
     # decoder projections' weights: in ``dtype``, or "int8" (W8A8 with SmoothQuant, scales per 64 inputs where
-    # AVX-512 VNNI or AVX2 is, CPU only: cloud.engine.int8; there the LM head ranks in int8 and computes the
-    # logits that can win exactly: int8.RefinedHead)
+    # AVX-512 VNNI or AVX2 is, CPU only: cloud.engine.int8)
     weights: str = "dtype"
+    # the LM head: "auto" ranks in int8 and computes the logits that can win exactly (int8.RefinedHead) on CPU
+    # where the grouped int8 kernel runs, for bf16 engines and int8 weights (faster, and closer to float32 than
+    # bf16's rounded logits); float32 engines, the reference, keep theirs. "dtype": the head in ``dtype``
+    head: str = "auto"
     # the KV cache: "auto" stores rows in ``dtype``; "int8" stores int8 rows with per-token, per-head scales
     # (CPU only: cloud.engine.kv_cache), about 2x the tokens of bf16 and 4x those of float32 per byte
     kv_cache_dtype: str = "auto"
@@ -52,6 +56,8 @@ class EngineConfig:
             raise EngineError(f"EngineConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.weights not in WEIGHTS:
             raise EngineError(f"EngineConfig.weights must be one of {WEIGHTS}, got {self.weights!r}")
+        if self.head not in HEADS:
+            raise EngineError(f"EngineConfig.head must be one of {HEADS}, got {self.head!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise EngineError(f"EngineConfig.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.preemption_mode not in ("recompute", "swap"):
