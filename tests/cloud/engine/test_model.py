@@ -116,13 +116,19 @@ def test_real_model_agrees_with_llama_cpp(real_engine: LLMEngine, gguf_path: Pat
     assert corr > 0.99, corr
 
 
+@pytest.fixture(scope="module")
+def real_bf16_engine(gguf_path: Path) -> LLMEngine:
+    """One SmolLM2 engine in bf16 (``apiary cloud serve``'s default where bf16 is native) for this module's tests."""
+    return LLMEngine(EngineConfig(model_path=gguf_path, dtype="bfloat16", kv_cache_bytes=64 << 20))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_real_model_bfloat16_tracks_float32(real_engine: LLMEngine, gguf_path: Path) -> None:
+def test_real_model_bfloat16_tracks_float32(real_engine: LLMEngine, real_bf16_engine: LLMEngine) -> None:
     """The benchmarks' serving dtype: bf16 (our vdpbf16ps kernel where numba compiles it, oneDNN-prepacked
     weights on other CPUs with native bf16, plain F.linear elsewhere) picks the fp32 engine's next token almost
     everywhere, the differences being near-ties, in one pass and in chunks."""
-    bf16 = LLMEngine(EngineConfig(model_path=gguf_path, dtype="bfloat16", kv_cache_bytes=64 << 20))
+    bf16 = real_bf16_engine
     # The path this host takes is the one tested (AVX2 hosts: the F.linear fallback).
     native = cpu.native_bf16(cpu.host_flags()) is not None
     kernel = bf16_kernel_runs()
@@ -147,7 +153,7 @@ def test_real_model_bfloat16_tracks_float32(real_engine: LLMEngine, gguf_path: P
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_real_model_bfloat16_head_ranks_in_int8_and_tracks_float32_closer(gguf_path: Path,
+def test_real_model_bfloat16_head_ranks_in_int8_and_tracks_float32_closer(gguf_path: Path, real_bf16_engine: LLMEngine,
                                                                           gate_references: list) -> None:
     """A bf16 engine's LM head (``head="auto"``) ranks in int8 where the grouped kernel runs and computes the
     logits that can win as float32 sums (``int8.RefinedHead``): on the int8 gates' 428 teacher-forced positions
@@ -157,7 +163,7 @@ def test_real_model_bfloat16_head_ranks_in_int8_and_tracks_float32_closer(gguf_p
 
     if int8.gemm_choice().backend != "grouped":
         pytest.skip("no grouped int8 kernel here: the head stays in the engine's dtype")
-    refined = LLMEngine(EngineConfig(model_path=gguf_path, dtype="bfloat16", kv_cache_bytes=64 << 20))
+    refined = real_bf16_engine
     plain = LLMEngine(EngineConfig(model_path=gguf_path, dtype="bfloat16", head="dtype", kv_cache_bytes=64 << 20))
     assert isinstance(refined.runner.model.head, int8.RefinedHead)
     assert refined.runner.model.head.weight is refined.runner.model.lm_head
@@ -204,12 +210,14 @@ def test_bf16_decode_steps_run_the_layers_in_one_call(tmp_path: Path, monkeypatc
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_real_model_bfloat16_decodes_its_layers_in_one_call(gguf_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_real_model_bfloat16_decodes_its_layers_in_one_call(real_bf16_engine: LLMEngine,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """SmolLM2 in bf16 (what ``apiary cloud serve`` runs where bf16 is native): all 30 layers stacked, and a
     batch's decode steps through the one call give the per-layer path's tokens and logprobs."""
     if not bf16_kernel_runs():
         pytest.skip("this host's bf16 layers do not take the vdpbf16ps kernel (no avx512_bf16 for numba)")
-    engine = LLMEngine(EngineConfig(model_path=gguf_path, dtype="bfloat16", kv_cache_bytes=64 << 20))
+    engine = real_bf16_engine
+    engine.reset_prefix_cache()
     stack = engine.runner.model.layer_stack
     assert stack is not None and (stack.first, stack.count, stack.gemm) == (0, 30, "bf16")
     fused, layered, calls = decodes_through_the_run(engine, [PROMPT, "Queen present", "Hive 3 lost weight"], 24,
@@ -221,13 +229,14 @@ def test_real_model_bfloat16_decodes_its_layers_in_one_call(gguf_path: Path, mon
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_real_model_bfloat16_answers_do_not_depend_on_the_batch(gguf_path: Path) -> None:
+def test_real_model_bfloat16_answers_do_not_depend_on_the_batch(real_bf16_engine: LLMEngine) -> None:
     """Where our bf16 kernel runs, every projection, the attention and the norms compute each row on its own, so
     a request answers the same, token for token and logprob for logprob, alone or batched with others. (The
     float32 engine does not: torch's sgemm sums a row differently by the step's row count.)"""
     if not bf16_kernel_runs():
         pytest.skip("this host's bf16 layers do not take the vdpbf16ps kernel (no avx512_bf16 for numba)")
-    engine = LLMEngine(EngineConfig(model_path=gguf_path, dtype="bfloat16", kv_cache_bytes=64 << 20))
+    engine = real_bf16_engine
+    engine.reset_prefix_cache()
     prompts = [PROMPT, "Queen present", "Hive 3 lost weight", "Sensor 7 reports humidity 62% and a weight gain"]
     params = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=2)
     batched = engine.generate(prompts, params)
