@@ -86,3 +86,25 @@ def test_cuda_graphs_is_a_setting_the_engine_receives(tmp_path):
         engine.shutdown()
     with pytest.raises(CloudError, match="cuda_graphs"):
         load_settings(None, cuda_graphs="sometimes")
+
+
+def test_head_is_a_setting_the_engine_receives(tmp_path):
+    """``[cloud] head`` / ``--head``: ``auto`` (a bf16 engine's head ranks in int8 where the grouped kernel runs,
+    ``int8.RefinedHead``), ``dtype`` (the head in the engine's dtype)."""
+    from apiary.cloud.engine import int8
+    from apiary.cloud.service import build_engine
+    from tests.cloud.engine.tiny import make_checkpoint
+
+    assert load_settings(None).head == "auto"
+    with pytest.raises(CloudError, match="head"):
+        load_settings(None, head="int4")
+    model = str(make_checkpoint(tmp_path / "tiny"))
+    for head in ("auto", "dtype"):
+        engine = build_engine(load_settings(None, model=model, adapter="none", kv_cache_mb=4, dtype="bfloat16",
+                                            head=head))
+        try:
+            assert engine._engine.config.head == head
+            refined = isinstance(engine._engine.runner.model.head, int8.RefinedHead)
+            assert refined == (head == "auto" and int8.gemm_choice().backend == "grouped")
+        finally:
+            engine.shutdown()
