@@ -40,11 +40,12 @@ WORDS = ("hive colony brood queen worker drone nectar pollen honey comb frame wa
          "entrance guard robbing varroa mite inspection super winter spring summer autumn beekeeper smoke "
          "the a of and to in is was rose fell steady kg degrees percent alert normal check report hive7 "
          "12 3.5 2024 why how when colony's bees' calm busy loud quiet").split()
-SYSTEMS = ("engine", "engine-torch-attn", "engine-fp32", "engine-int8", "engine-int8-fp32", "engine-kv8", "engine-ngram",
-           "engine-bs1", "hf",
-           "llama-cpp", "llama-server", "llama-server-ngram", "cloud-http", "cloud-http-int8", "cloud-http-kv8",
-           "cloud-http-ngram")
-HTTP_SYSTEMS = ("llama-server", "llama-server-ngram", "cloud-http", "cloud-http-int8", "cloud-http-kv8", "cloud-http-ngram")
+SYSTEMS = ("engine", "engine-torch-attn", "engine-fp32", "engine-bf16w", "engine-int8", "engine-int8-fp32", "engine-kv8",
+           "engine-ngram", "engine-bs1", "hf",
+           "llama-cpp", "llama-server", "llama-server-ngram", "cloud-http", "cloud-http-bf16w", "cloud-http-int8",
+           "cloud-http-kv8", "cloud-http-ngram")
+HTTP_SYSTEMS = ("llama-server", "llama-server-ngram", "cloud-http", "cloud-http-bf16w", "cloud-http-int8", "cloud-http-kv8",
+                "cloud-http-ngram")
 
 
 @dataclass(slots=True)
@@ -213,7 +214,8 @@ def _llama_cpp_child() -> None:
 FLOOR_DTYPES = {"engine": None, "engine-torch-attn": None, "engine-ngram": None, "cloud-http": None, "cloud-http-kv8": None,
                 "cloud-http-ngram": None,
                 "cloud-http-int8": None, "engine-kv8": None, "engine-int8": "int8",
-                "engine-fp32": "float32", "engine-bs1": "float32", "engine-int8-fp32": "float32"}
+                "engine-fp32": "float32", "engine-bs1": "float32", "engine-int8-fp32": "float32", "engine-bf16w": "float32",
+                "cloud-http-bf16w": None}
 
 
 def matmul_floors(results: dict[str, Result], engines: dict[str, Any], dtype: str, work: list[Request],
@@ -294,7 +296,8 @@ def command(
                                  "or pass --llama-server with the path of a build", param_hint="--llama-server")
     int8_systems = [s for s in chosen if s.startswith("engine-int8") or s == "cloud-http-int8"]
     in_process_int8 = any(s.startswith("engine-int8") for s in chosen)
-    if in_process_int8 or numba_runs_projections(EngineConfig(model_path="-", dtype=dtype)):
+    if (in_process_int8 or "engine-bf16w" in chosen
+            or numba_runs_projections(EngineConfig(model_path="-", dtype=dtype))):
         # numba's pool is per process and chosen at its first parallel loop (the probe below): an engine whose
         # projections numba runs (int8, or bf16 through the vdpbf16ps kernel; the run always builds a `--dtype`
         # engine) takes oneTBB's pool, so in this run every in-process engine does (the table's CPU line says so)
@@ -349,6 +352,9 @@ def command(
         elif system == "engine-fp32":
             res = run_engine(engines.setdefault("float32", engine_for("float32")), work, max_num_seqs)
             res.detail = f"continuous batching, float32, max_num_seqs={max_num_seqs}, budget={budget}"
+        elif system == "engine-bf16w":  # float32 with bf16-held weights: the speed path for CPUs without native bf16
+            res = run_engine(engines.setdefault("bf16w", engine_for("float32", weights="bf16")), work, max_num_seqs)
+            res.detail = "continuous batching, float32, weights held in bf16 (kernels/cpu_bf16w_gemm.py)"
         elif system == "engine-int8":  # W8A8 projections (cloud.engine.int8), activations in --dtype
             res = run_engine(engines.setdefault("int8", engine_for(dtype, weights="int8")), work, max_num_seqs)
             res.detail = f"continuous batching, int8 weights (W8A8), {resolved('int8')} activations"

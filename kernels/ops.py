@@ -4,7 +4,8 @@
 (``apiary.kernels.reference``) everywhere else, except decode attention on CPU, which the numba
 kernel (``apiary.kernels.cpu_attention``) serves for float32, bfloat16 and int8 caches (``decode_backend``),
 per-row int8 quantization of CPU batches (``quantize_rows``, ``apiary.kernels.cpu_quant``), bf16
-projections where numba compiles ``vdpbf16ps`` (``bind_bf16_linear``, ``apiary.kernels.cpu_bf16_gemm``), and
+projections where numba compiles ``vdpbf16ps`` (``bind_bf16_linear``, ``apiary.kernels.cpu_bf16_gemm``), float32
+projections from bf16 weights (``bind_bf16w_linear``, ``apiary.kernels.cpu_bf16w_gemm``), and
 RMSNorm, rotary and the float KV write of CPU float32/bfloat16 tensors (``apiary.kernels.cpu_layers``).
 ``cpu_step`` hands a CPU forward pass those kernels checked once for all its layers
 (``apiary.kernels.cpu_layers.CpuStep``): at decode sizes the per-call checks and views cost ten times the
@@ -35,6 +36,7 @@ from apiary.kernels.errors import KernelError
 if TYPE_CHECKING:
     from apiary.kernels.cpu_int8_gemm import GroupedWeight
     from apiary.kernels.cpu_bf16_gemm import Bound as BoundBF16, PackedBF16
+    from apiary.kernels.cpu_bf16w_gemm import Bound as BoundBF16W
     from apiary.kernels.cpu_decode_layers import LayerStack, StackWeight
     from apiary.kernels.cpu_layers import CpuStep
 
@@ -535,6 +537,32 @@ def bind_bf16_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> 
     from apiary.kernels import cpu_bf16_gemm
 
     return cpu_bf16_gemm.Bound(cpu_bf16_gemm.pack(weight, bias))
+
+
+def bf16w_gemm_available() -> bool:
+    """The bf16-weight float32 GEMM (``apiary.kernels.cpu_bf16w_gemm``) serves CPU layers here: the ``auto`` backend,
+    numba installed and compiling for AVX2 and FMA."""
+    if get_backend() != "auto" or not numba_available():
+        return False
+    from apiary.kernels import cpu_bf16w_gemm  # imports numba: only once an engine with bf16 weights asks
+
+    return cpu_bf16w_gemm.available()
+
+
+def bind_bf16w_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> BoundBF16W | None:
+    """``f(x) = x @ weight.T + bias`` for float32 rows, with ``weight`` rounded to bf16 and widened in registers
+    (``apiary.kernels.cpu_bf16w_gemm``: float32 products and sums, half the weight bytes of float32); None where
+    that kernel does not run (another backend forced, no numba, no AVX2 + FMA, a weight off the CPU), so the caller
+    keeps its own path. ``f.weight`` is the packed weight."""
+    _check_tensor("weight", weight, 2, float_=True)
+    if bias is not None:
+        _check_tensor("bias", bias, 1, float_=True)
+        _check(bias.shape[0] == weight.shape[0], lambda: f"bias has {bias.shape[0]} values for {weight.shape[0]} outputs")
+    if weight.device.type != "cpu" or not bf16w_gemm_available():
+        return None
+    from apiary.kernels import cpu_bf16w_gemm
+
+    return cpu_bf16w_gemm.Bound(cpu_bf16w_gemm.pack(weight, bias))
 
 
 def bind_packed_bf16(weight: PackedBF16) -> BoundBF16:

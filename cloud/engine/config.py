@@ -9,7 +9,7 @@ from apiary.cloud.engine.errors import EngineError
 from apiary.cloud.engine.spec.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-WEIGHTS = ("dtype", "int8")
+WEIGHTS = ("dtype", "int8", "bf16")
 HEADS = ("auto", "dtype")
 KV_CACHE_DTYPES = ("auto", "int8")
 
@@ -21,11 +21,14 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"  # auto: float32 on CPU (the correctness reference), bfloat16 on CUDA
     # decoder projections' weights: in ``dtype``, or "int8" (W8A8 with SmoothQuant, scales per 64 inputs where
-    # AVX-512 VNNI or AVX2 is, CPU only: cloud.engine.int8)
+    # AVX-512 VNNI or AVX2 is, CPU only: cloud.engine.int8), or "bf16": a float32 engine's projection weights held
+    # in bf16, float32 rows, products and sums (AVX2 + FMA, CPU only: kernels/cpu_bf16w_gemm.py; a bf16 engine's
+    # weights are bf16 already)
     weights: str = "dtype"
     # the LM head: "auto" ranks in int8 and computes the logits that can win exactly (int8.RefinedHead) on CPU
     # where the grouped int8 kernel runs, for bf16 engines and int8 weights (faster, and closer to float32 than
-    # bf16's rounded logits); float32 engines, the reference, keep theirs. "dtype": the head in ``dtype``
+    # bf16's rounded logits), and float32 engines with weights="bf16"; float32 engines, the reference, keep theirs.
+    # "dtype": the head in ``dtype``
     head: str = "auto"
     # the KV cache: "auto" stores rows in ``dtype``; "int8" stores int8 rows with per-token, per-head scales
     # (CPU only: cloud.engine.kv_cache), about 2x the tokens of bf16 and 4x those of float32 per byte

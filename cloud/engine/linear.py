@@ -28,6 +28,7 @@ from apiary.kernels import cpu, ops
 
 if TYPE_CHECKING:
     from apiary.kernels.cpu_bf16_gemm import Bound
+    from apiary.kernels.cpu_bf16w_gemm import Bound as BoundBF16W
 
 
 def _pack(weight: torch.Tensor, bias: torch.Tensor | None, flags: Iterable[str] | None) -> torch.Tensor | None:
@@ -55,7 +56,8 @@ class Linear:
     weight: torch.Tensor
     bias: torch.Tensor | None = None
     packed: torch.Tensor | None = None  # oneDNN's layout
-    kernel: Bound | None = None  # the bf16 GEMM, bound to this weight (``ops.bind_bf16_linear``)
+    kernel: Bound | BoundBF16W | None = None  # our GEMM bound to this weight (``ops.bind_bf16_linear``, ``bind_bf16w_linear``)
+    takes: torch.dtype | None = None  # the rows ``kernel`` takes: the weight's dtype, or float32 for bf16 weights
 
     @classmethod
     def of(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, flags: Iterable[str] | None = None) -> Linear:
@@ -63,20 +65,33 @@ class Linear:
         needs native bf16 there as well as in what numba compiles for."""
         native = weight.dtype == torch.bfloat16 and cpu.native_bf16(cpu.host_flags() if flags is None else flags)
         kernel = ops.bind_bf16_linear(weight, bias) if native else None
-        return cls(weight, bias, None if kernel is not None else _pack(weight, bias, flags), kernel)
+        return cls(weight, bias, None if kernel is not None else _pack(weight, bias, flags), kernel,
+                   weight.dtype if kernel is not None else None)
+
+    @classmethod
+    def bf16_weights(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear | None:
+        """A float32 layer whose weight is held in bf16 and widened in registers (``ops.bind_bf16w_linear``): float32
+        rows in, float32 products and sums, from half the bytes. None where that kernel does not run here."""
+        kernel = ops.bind_bf16w_linear(weight, bias)
+        if kernel is None:
+            return None
+        return cls(weight.to(torch.bfloat16), None if bias is None else bias.float(), None, kernel, torch.float32)
 
     @property
     def path(self) -> str:
         """Which GEMM 2-D inputs of the weight's dtype take (for the engine's load log)."""
+        if self.kernel is not None and self.takes == torch.float32 and self.weight.dtype == torch.bfloat16:
+            return "bf16 weights, float32 sums (kernels/cpu_bf16w_gemm.py)"
         if self.kernel is not None:
             return "our bf16 kernel (vdpbf16ps, kernels/cpu_bf16_gemm.py)"
         return "oneDNN, weight prepacked" if self.packed is not None else "F.linear"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[0] == 0 or x.dtype != self.weight.dtype:
-            return F.linear(x, self.weight, self.bias)
-        if self.kernel is not None:
+        if self.kernel is not None and x.dim() == 2 and x.shape[0] and x.dtype == self.takes:
             return self.kernel(x)
+        if x.dim() != 2 or x.shape[0] == 0 or x.dtype != self.weight.dtype:
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return F.linear(x, self.weight.to(x.dtype), bias)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -85,7 +100,8 @@ class Linear:
         """``self(silu(gate) * up)`` for ``gate_up = [gate | up]`` (a SwiGLU's two projections side by side): with
         the bf16 kernel, the elementwise part inside its call, rounded as the torch ops round; a run of layers
         in one call (``kernels/cpu_decode_layers.py``) calls the same kernel the same way."""
-        if self.kernel is not None and gate_up.dim() == 2 and gate_up.shape[0] and gate_up.dtype == self.weight.dtype:
+        if (self.kernel is not None and self.takes == self.weight.dtype and gate_up.dim() == 2 and gate_up.shape[0]
+                and gate_up.dtype == self.weight.dtype):
             return self.kernel(gate_up, True)
         gate, up = gate_up.chunk(2, dim=-1)
         return self(F.silu(gate) * up)

@@ -189,7 +189,8 @@ class LlamaModel:
         def weight(lin: object) -> StackWeight | None:
             if isinstance(lin, GroupedInt8Linear):
                 return lin.weight
-            return lin.kernel.weight if isinstance(lin, Linear) and lin.kernel is not None else None
+            bf16_kernel = isinstance(lin, Linear) and lin.kernel is not None and lin.takes == lin.weight.dtype
+            return lin.kernel.weight if bf16_kernel else None  # type: ignore[union-attr]  # (bf16 weights, float32 rows: no run)
 
         def why_not(layer: DecoderLayer) -> str | None:
             lins = [getattr(layer, name) for name in PROJECTIONS]
@@ -221,7 +222,8 @@ class LlamaModel:
             for name, view in views.items():
                 lin = getattr(layer, name)
                 setattr(layer, name, GroupedInt8Linear(view) if isinstance(lin, GroupedInt8Linear)  # type: ignore[arg-type]
-                        else Linear(lin.weight, lin.bias, None, ops.bind_packed_bf16(view)))  # type: ignore[arg-type]
+                        else Linear(lin.weight, lin.bias, None, ops.bind_packed_bf16(view),  # type: ignore[arg-type]
+                                    lin.weight.dtype))
         return (f"decode steps run layers {first}-{first + count - 1} in one compiled call "
                 f"({self.layer_stack.gemm} GEMM)")
 

@@ -47,6 +47,8 @@ def numba_runs_projections(config: EngineConfig) -> bool:
     kernel, decided as ``Linear.of`` decides): then numba's loops go to oneTBB's pool (``threads.apply``)."""
     if config.weights == "int8":
         return True
+    if config.weights == "bf16" and resolve_dtype(config, torch.device("cpu")) == torch.float32:
+        return ops.bf16w_gemm_available()
     return (resolve_dtype(config, torch.device("cpu")) == torch.bfloat16
             and cpu.native_bf16(cpu.host_flags()) is not None and ops.bf16_gemm_available())
 
@@ -69,6 +71,9 @@ class ModelRunner:
                 # Spinning waits while the CPU is the engine's, sleeping ones while others use a core.
                 throttle = self.throttle = threads.SpinThrottle(n)
                 self.governor = threads.ThreadGovernor(n, lambda free: throttle.on() if free < n else throttle.off())
+        if config.weights == "bf16" and self.device.type != "cpu":
+            raise EngineError("weights='bf16' is a CPU path (a float32 engine's weights held in bf16); on CUDA use "
+                              "dtype bfloat16")
         if config.weights == "int8" and self.device.type != "cpu":
             raise EngineError("weights='int8' is a CPU path (oneDNN int8 GEMM); on CUDA use dtype bfloat16")
         if config.kv_cache_dtype == "int8" and self.device.type != "cpu":
@@ -88,6 +93,8 @@ class ModelRunner:
             log.info("%s projections: %s", str(self.dtype).removeprefix("torch."), self.model.layers[0].qkv.path)
         if config.weights == "int8":
             self._quantize(config, checkpoint)
+        if config.weights == "bf16":
+            self._bf16_weights()
         if self.device.type == "cpu":
             self._refine_head(config)
             log.info("%s", self.model.stack_layers())
@@ -154,13 +161,35 @@ class ModelRunner:
                  sum(map(len, prompts)), choice.backend, choice.weight_bits, kept or "none",
                  str(self.dtype).removeprefix("torch."), choice.reason, time.perf_counter() - start)
 
+    def _bf16_weights(self) -> None:
+        """``weights="bf16"``: a float32 engine's decoder projections hold their weights in bf16 and compute in float32
+        (``Linear.bf16_weights``). Why: on CPUs without native bf16, ``auto`` is float32, and a decode step streamed
+        424 MB of float32 weights through torch's sgemm; from bf16 it is 212 MB, at 2.7-3.8x sgemm's speed at 1-16
+        rows and 1.1-1.3x at 256 (docs/kernels.md). A bf16 engine's weights are bf16 already: nothing to do."""
+        if self.dtype != torch.float32:
+            log.info("weights='bf16' on a %s engine: its weights are in its dtype already",
+                     str(self.dtype).removeprefix("torch."))
+            return
+        from apiary.cloud.engine.int8 import PROJECTIONS
+
+        for i, layer in enumerate(self.model.layers):
+            for name in PROJECTIONS:
+                lin = getattr(layer, name)
+                held = Linear.bf16_weights(lin.weight, lin.bias) if isinstance(lin, Linear) else None
+                if held is None:
+                    raise EngineError(f"weights='bf16' needs numba compiling for AVX2 and FMA and our kernels "
+                                      f"(APIARY_KERNELS=auto); layer {i}'s {name} cannot take it here")
+                setattr(layer, name, held)
+        log.info("float32 engine, decoder weights held in bf16: %s", self.model.layers[0].qkv.path)
+
     def _refine_head(self, config: EngineConfig) -> None:
         """``head="auto"``: a bf16 engine's or int8 weights' LM head ranks in int8 and computes the logits that
         can win exactly (``int8.RefinedHead``), where the grouped int8 kernel runs. Why: SmolLM2's head at 14 rows
         took 3.4 ms in bf16 against 2.4 ms so, and bf16's output is rounded (a step of 0.016 at logits of 2-4)
-        where the refined candidates are float32 sums. A float32 engine, the reference, keeps its head."""
+        where the refined candidates are float32 sums. A float32 engine, the reference, keeps its head, unless its
+        weights are held in bf16 (``weights="bf16"``, a speed path: the float32 head is 113 MB a decode step)."""
         dtype = str(self.dtype).removeprefix("torch.")
-        wanted = config.head == "auto" and (config.weights == "int8" or self.dtype == torch.bfloat16)
+        wanted = config.head == "auto" and (config.weights in ("int8", "bf16") or self.dtype == torch.bfloat16)
         refined = wanted and int8.quantize_head(self.model)
         log.info("LM head: %s", "ranks in int8, the logits that can win exact (float32 sums)" if refined else
                  f"in {dtype}" + ("" if not wanted else " (no grouped int8 kernel here)"))

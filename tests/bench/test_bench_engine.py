@@ -46,7 +46,7 @@ def test_a_tiny_run_with_background_reports_contention_cpu_use_and_features(tmp_
     monkeypatch.chdir(tmp_path)
     app = typer.Typer()
     app.command()(bench_engine.command)
-    result = CliRunner().invoke(app, ["--model", str(model), "--systems", "engine,engine-kv8,engine-ngram",
+    result = CliRunner().invoke(app, ["--model", str(model), "--systems", "engine,engine-kv8,engine-ngram,engine-bf16w",
                                       "--requests", "3", "--prompt-tokens", "8-16", "--output-tokens", "4-8",
                                       "--threads", "1", "--background", "1", "--dtype", "float32"])
     assert result.exit_code == 0, result.output
@@ -66,6 +66,10 @@ def test_a_tiny_run_with_background_reports_contention_cpu_use_and_features(tmp_
     ngram = dict(zip(record["columns"], record["rows"][2]))  # n-gram speculation: the same tokens, counted alike
     assert ngram["system"] == "engine-ngram" and ngram["output tok"] == record["rows"][0][1]
     assert "n-gram speculation (acceptance" in record["systems"]["engine-ngram"]
+    bf16w = dict(zip(record["columns"], record["rows"][3]))  # float32 with bf16-held weights, its floor float32's
+    assert bf16w["system"] == "engine-bf16w" and bf16w["output tok"] == record["rows"][0][1]
+    assert "weights held in bf16" in record["systems"]["engine-bf16w"]
+    assert record["matmul_floor"]["engine-bf16w"]["dtype"] == "float32"
     floor = record["matmul_floor"]["engine"]  # bench.floor: its projection FLOPs at this CPU's float32 rate
     assert record["columns"][-2:] == ["matmul floor s", "% of floor"]
     assert floor["dtype"] == "float32" and floor["gflops"] > 0 and floor["seconds"] > 0

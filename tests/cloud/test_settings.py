@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from apiary.cloud.errors import CloudError
 from apiary.cloud.settings import load_settings
@@ -108,3 +109,27 @@ def test_head_is_a_setting_the_engine_receives(tmp_path):
             assert refined == (head == "auto" and int8.gemm_choice().backend == "grouped")
         finally:
             engine.shutdown()
+
+
+def test_bf16_weights_are_a_setting_the_engine_receives(tmp_path):
+    """``[cloud] weights = "bf16"`` / ``--weights bf16``: a float32 engine's projections hold bf16 weights and sum in
+    float32 where numba compiles the kernel (AVX2 + FMA); a bad value is refused."""
+    from apiary.cloud.engine.linear import Linear
+    from apiary.cloud.service import build_engine
+    from apiary.kernels import ops
+    from tests.cloud.engine.tiny import make_checkpoint
+
+    with pytest.raises(CloudError, match="weights"):
+        load_settings(None, weights="bf8")
+    if not ops.bf16w_gemm_available():
+        pytest.skip("numba does not compile for AVX2 and FMA here: the bf16-weight kernel does not run")
+    model = str(make_checkpoint(tmp_path / "tiny"))
+    engine = build_engine(load_settings(None, model=model, adapter="none", kv_cache_mb=4, dtype="float32",
+                                        weights="bf16"))
+    try:
+        layer = engine._engine.runner.model.layers[0]
+        assert engine._engine.config.weights == "bf16"
+        assert isinstance(layer.qkv, Linear) and layer.qkv.weight.dtype == torch.bfloat16
+        assert layer.qkv.takes == torch.float32 and "cpu_bf16w_gemm" in layer.qkv.path
+    finally:
+        engine.shutdown()

@@ -246,6 +246,67 @@ def test_real_model_bfloat16_answers_do_not_depend_on_the_batch(real_bf16_engine
         assert (alone.output_token_ids, alone.logprobs) == (together.output_token_ids, together.logprobs), prompt
 
 
+def test_bf16_weights_hold_a_float32_engines_projections_in_bf16(tmp_path: Path) -> None:
+    """``weights="bf16"``: a float32 engine's projections hold their weights rounded to bf16 and sum float32 rows in
+    float32 (``kernels/cpu_bf16w_gemm.py``), its logits those of the same engine with the rounded weights through
+    ``F.linear``; no run of layers is stacked (that run is bf16 rows' or int8's). A bf16 engine's weights are bf16
+    already: the setting changes nothing there."""
+    from apiary.cloud.engine.int8 import PROJECTIONS
+    from apiary.cloud.engine.linear import Linear
+
+    if not ops.bf16w_gemm_available():
+        pytest.skip("numba does not compile for AVX2 and FMA here: the bf16-weight kernel does not run")
+    folder = make_checkpoint(tmp_path / "four", "llama", layers=4, hidden=128, heads=4, kv_heads=2, intermediate=256)
+    held = LLMEngine(EngineConfig(model_path=folder, dtype="float32", weights="bf16", head="dtype",
+                                  kv_cache_bytes=4 << 20, block_size=8))
+    plain = LLMEngine(EngineConfig(model_path=folder, dtype="float32", head="dtype", kv_cache_bytes=4 << 20,
+                                   block_size=8))
+    for mine, theirs in zip(held.runner.model.layers, plain.runner.model.layers):
+        for name in PROJECTIONS:
+            lin = getattr(mine, name)
+            assert isinstance(lin, Linear) and lin.weight.dtype == torch.bfloat16 and lin.takes == torch.float32
+            assert torch.equal(lin.weight, getattr(theirs, name).weight.bfloat16())
+            setattr(theirs, name, Linear(lin.weight.float(), lin.bias))  # the same rounded weights, through F.linear
+    assert held.runner.model.layer_stack is None
+    ids = list(range(3, 40))
+    _, ours = prompt_logits(held, ids, use_prefix_cache=False)
+    _, theirs = prompt_logits(plain, ids, use_prefix_cache=False)
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    # head="auto" (the default): a speed path, so the head ranks in int8 too where the grouped kernel runs
+    auto = LLMEngine(EngineConfig(model_path=folder, dtype="float32", weights="bf16", kv_cache_bytes=4 << 20,
+                                  block_size=8))
+    assert isinstance(auto.runner.model.head, int8.RefinedHead) == (int8.gemm_choice().backend == "grouped")
+    bf16 = LLMEngine(EngineConfig(model_path=folder, dtype="bfloat16", weights="bf16", kv_cache_bytes=4 << 20,
+                                  block_size=8))
+    assert all(getattr(layer, name).takes in (None, torch.bfloat16) for layer in bf16.runner.model.layers
+               for name in PROJECTIONS if isinstance(getattr(layer, name), Linear))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_real_model_bf16_weights_track_float32_and_do_not_depend_on_the_batch(gguf_path: Path,
+                                                                               gate_references: list) -> None:
+    """SmolLM2 as a float32 engine with its projection weights held in bf16 (``weights="bf16"``, the speed path for
+    CPUs without native bf16): on the int8 gates' 428 teacher-forced positions it picks the fp32 engine's token at
+    least 98% of the time (measured 99.5%), and each row is summed on its own, so a request answers the same alone
+    or batched, token for token and logprob for logprob (the float32 engine through sgemm does not)."""
+    from tests.cloud.engine.test_int8 import teacher_forced_agreement
+
+    if not ops.bf16w_gemm_available():
+        pytest.skip("numba does not compile for AVX2 and FMA here: the bf16-weight kernel does not run")
+    engine = LLMEngine(EngineConfig(model_path=gguf_path, dtype="float32", weights="bf16", kv_cache_bytes=64 << 20))
+    agreement, positions = teacher_forced_agreement(gate_references, engine)
+    assert positions > 400 and agreement >= 0.98, agreement
+    prompts = [PROMPT, "Queen present", "Hive 3 lost weight", "Sensor 7 reports humidity 62% and a weight gain"]
+    params = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=2)
+    engine.reset_prefix_cache()
+    batched = engine.generate(prompts, params)
+    for prompt, together in zip(prompts, batched):
+        engine.reset_prefix_cache()
+        alone = engine.generate([prompt], params)[0]
+        assert (alone.output_token_ids, alone.logprobs) == (together.output_token_ids, together.logprobs), prompt
+
+
 def test_bad_checkpoints_raise_engine_error(tmp_path: Path) -> None:
     with pytest.raises(EngineError, match="neither a GGUF file"):
         LLMEngine(EngineConfig(model_path=tmp_path / "missing.gguf"))
