@@ -321,7 +321,7 @@ def command(
     threads = threads or engine_threads.STATE.cpus
     torch.set_num_threads(threads)
 
-    def engine_for(engine_dtype: str, cpu_attention: str = "numba", weights: str = "dtype",
+    def engine_for(engine_dtype: str, cpu_attention: str = "numba", weights: str = "auto",
                    kv_cache_dtype: str = "auto", speculative: Any = None) -> Any:
         return LLMEngine(EngineConfig(model_path=path, dtype=engine_dtype, kv_cache_bytes=2 << 30,
                                       max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,

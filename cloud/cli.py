@@ -35,7 +35,8 @@ def serve(
     images: Optional[str] = typer.Option(None, help="directory of OTA images served at /v1/images [.apiary/images]"),
     api_key_file: Optional[str] = typer.Option(None, help="hashed API keys, JSON lines [.apiary/cloud-keys.jsonl]"),
     dtype: Optional[str] = typer.Option(None, help="auto | float32 | bfloat16"),
-    weights: Optional[str] = typer.Option(None, help="decoder weights: dtype | int8 (W8A8, CPU) | bf16 (a float32 engine's weights held in bf16, CPU) [dtype]"),
+    weights: Optional[str] = typer.Option(None, help="decoder weights: auto | dtype | int8 (W8A8, CPU) | bf16 (a float32 engine's weights held in bf16, CPU); "
+                                 "auto: bf16 where dtype auto is float32 on a CPU (no native bf16) [auto]"),
     head: Optional[str] = typer.Option(None, help="LM head: auto (bf16 and int8 engines on CPU rank in int8, the "
                                                   "logits that can win exact) | dtype [auto]"),
     kv_cache_dtype: Optional[str] = typer.Option(None, help="KV cache rows: auto (= dtype) | int8 (per-token "

@@ -69,9 +69,9 @@ class CloudSettings(BaseModel):
     served_model_name: str | None = None
     device: str = "cpu"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    # decoder weights: in `dtype`, or int8 (W8A8 + SmoothQuant, CPU only; docs/engine.md "int8 weights"), or bf16
+    # decoder weights: auto (bf16-held where `dtype` auto is float32 on a CPU without native bf16), in `dtype`, or int8 (W8A8 + SmoothQuant, CPU only; docs/engine.md "int8 weights"), or bf16
     # (a float32 engine's weights held in bf16, float32 sums, CPU only; docs/engine.md "bf16 weights, float32 sums")
-    weights: Literal["dtype", "int8", "bf16"] = "dtype"
+    weights: Literal["auto", "dtype", "int8", "bf16"] = "auto"
     # the LM head: auto ranks in int8 with the logits that can win exact, for bf16, int8 and bf16-weight engines on CPU
     # (docs/engine.md "The LM head ranks in int8"); dtype: in `dtype`
     head: Literal["auto", "dtype"] = "auto"

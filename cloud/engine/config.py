@@ -9,7 +9,7 @@ from apiary.cloud.engine.errors import EngineError
 from apiary.cloud.engine.spec.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-WEIGHTS = ("dtype", "int8", "bf16")
+WEIGHTS = ("auto", "dtype", "int8", "bf16")
 HEADS = ("auto", "dtype")
 KV_CACHE_DTYPES = ("auto", "int8")
 
@@ -20,11 +20,12 @@ class EngineConfig:
     adapter_path: str | Path | None = None  # a LoRA adapter folder (cloud.engine.adapter), merged at load
     device: str = "cpu"
     dtype: str = "auto"  # auto: float32 on CPU (the correctness reference), bfloat16 on CUDA
-    # decoder projections' weights: in ``dtype``, or "int8" (W8A8 with SmoothQuant, scales per 64 inputs where
-    # AVX-512 VNNI or AVX2 is, CPU only: cloud.engine.int8), or "bf16": a float32 engine's projection weights held
-    # in bf16, float32 rows, products and sums (AVX2 + FMA, CPU only: kernels/cpu_bf16w_gemm.py; a bf16 engine's
-    # weights are bf16 already)
-    weights: str = "dtype"
+    # decoder projections' weights: "auto" (bf16 where ``dtype="auto"`` resolved to float32 on a CPU without native
+    # bf16 and the bf16-weight kernel runs, else "dtype": model_runner.resolve_weights), in ``dtype``, or "int8"
+    # (W8A8 with SmoothQuant, scales per 64 inputs where AVX-512 VNNI or AVX2 is, CPU only: cloud.engine.int8), or
+    # "bf16": a float32 engine's projection weights held in bf16, float32 rows, products and sums (AVX2 + FMA, CPU
+    # only: kernels/cpu_bf16w_gemm.py; a bf16 engine's weights are bf16 already)
+    weights: str = "auto"
     # the LM head: "auto" ranks in int8 and computes the logits that can win exactly (int8.RefinedHead) on CPU
     # where the grouped int8 kernel runs, for bf16 engines and int8 weights (faster, and closer to float32 than
     # bf16's rounded logits), and float32 engines with weights="bf16"; float32 engines, the reference, keep theirs.

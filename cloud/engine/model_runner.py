@@ -42,12 +42,26 @@ def resolve_dtype(config: EngineConfig, device: torch.device, flags: Iterable[st
     return torch.bfloat16 if cpu.native_bf16(cpu.host_flags() if flags is None else flags) else torch.float32
 
 
+def resolve_weights(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> str:
+    """The projections' weights: ``"dtype"``, ``"int8"`` or ``"bf16"`` (held in bf16, float32 sums). ``auto``: bf16
+    for an ``auto`` engine that resolved to float32 on a CPU (no native bf16) where the bf16-weight kernel runs
+    (``kernels/cpu_bf16w_gemm.py``: AVX2 + FMA); ``dtype`` otherwise. An engine asked for ``dtype="float32"``, the
+    correctness reference, keeps float32 weights."""
+    if config.weights != "auto":
+        return config.weights
+    held = (device.type == "cpu" and config.dtype == "auto" and dtype == torch.float32
+            and ops.bf16w_gemm_available())
+    return "bf16" if held else "dtype"
+
+
 def numba_runs_projections(config: EngineConfig) -> bool:
-    """Whether a CPU engine's projections run in numba's kernels (int8 weights, or bf16 ones through the vdpbf16ps
-    kernel, decided as ``Linear.of`` decides): then numba's loops go to oneTBB's pool (``threads.apply``)."""
-    if config.weights == "int8":
+    """Whether a CPU engine's projections run in numba's kernels (int8 weights, bf16-held ones, or bf16 ones through
+    the vdpbf16ps kernel, decided as ``Linear.of`` decides): then numba's loops go to oneTBB's pool (``threads.apply``)."""
+    cpu_device = torch.device("cpu")
+    weights = resolve_weights(config, cpu_device, resolve_dtype(config, cpu_device))
+    if weights == "int8":
         return True
-    if config.weights == "bf16" and resolve_dtype(config, torch.device("cpu")) == torch.float32:
+    if weights == "bf16" and resolve_dtype(config, cpu_device) == torch.float32:
         return ops.bf16w_gemm_available()
     return (resolve_dtype(config, torch.device("cpu")) == torch.bfloat16
             and cpu.native_bf16(cpu.host_flags()) is not None and ops.bf16_gemm_available())
@@ -91,9 +105,10 @@ class ModelRunner:
                                 cpu_attention_backend=config.cpu_attention)
         if self.device.type == "cpu" and self.model.layers and isinstance(self.model.layers[0].qkv, Linear):
             log.info("%s projections: %s", str(self.dtype).removeprefix("torch."), self.model.layers[0].qkv.path)
-        if config.weights == "int8":
+        self.weights = resolve_weights(config, self.device, self.dtype)
+        if self.weights == "int8":
             self._quantize(config, checkpoint)
-        if config.weights == "bf16":
+        if self.weights == "bf16":
             self._bf16_weights()
         if self.device.type == "cpu":
             self._refine_head(config)
@@ -162,7 +177,8 @@ class ModelRunner:
                  str(self.dtype).removeprefix("torch."), choice.reason, time.perf_counter() - start)
 
     def _bf16_weights(self) -> None:
-        """``weights="bf16"``: a float32 engine's decoder projections hold their weights in bf16 and compute in float32
+        """``weights="bf16"`` (and ``auto`` where the CPU has no native bf16, ``resolve_weights``): a float32 engine's
+        decoder projections hold their weights in bf16 and compute in float32
         (``Linear.bf16_weights``). Why: on CPUs without native bf16, ``auto`` is float32, and a decode step streamed
         424 MB of float32 weights through torch's sgemm; from bf16 it is 212 MB, at 2.7-3.8x sgemm's speed at 1-16
         rows and 1.1-1.3x at 256 (docs/kernels.md). A bf16 engine's weights are bf16 already: nothing to do."""
@@ -189,7 +205,7 @@ class ModelRunner:
         where the refined candidates are float32 sums. A float32 engine, the reference, keeps its head, unless its
         weights are held in bf16 (``weights="bf16"``, a speed path: the float32 head is 113 MB a decode step)."""
         dtype = str(self.dtype).removeprefix("torch.")
-        wanted = config.head == "auto" and (config.weights in ("int8", "bf16") or self.dtype == torch.bfloat16)
+        wanted = config.head == "auto" and (self.weights in ("int8", "bf16") or self.dtype == torch.bfloat16)
         refined = wanted and int8.quantize_head(self.model)
         log.info("LM head: %s", "ranks in int8, the logits that can win exact (float32 sums)" if refined else
                  f"in {dtype}" + ("" if not wanted else " (no grouped int8 kernel here)"))

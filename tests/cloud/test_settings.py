@@ -119,6 +119,7 @@ def test_bf16_weights_are_a_setting_the_engine_receives(tmp_path):
     from apiary.kernels import ops
     from tests.cloud.engine.tiny import make_checkpoint
 
+    assert load_settings(None).weights == "auto"  # bf16-held where dtype auto is float32 (model_runner.resolve_weights)
     with pytest.raises(CloudError, match="weights"):
         load_settings(None, weights="bf8")
     if not ops.bf16w_gemm_available():

@@ -282,6 +282,32 @@ def test_bf16_weights_hold_a_float32_engines_projections_in_bf16(tmp_path: Path)
                for name in PROJECTIONS if isinstance(getattr(layer, name), Linear))
 
 
+def test_auto_weights_are_bf16_where_auto_is_float32_on_a_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``weights="auto"`` (the default): where ``dtype="auto"`` resolves to float32 on a CPU (no native bf16: here
+    AVX-512 and AMX hidden, as ``.ci/avx2-rehearsal`` hides them), the projections hold bf16 weights and sum in
+    float32; an engine asked for ``dtype="float32"``, the correctness reference, keeps float32 weights, and a bf16
+    engine keeps its own."""
+    from apiary.cloud.engine.model_runner import resolve_weights
+
+    if not ops.bf16w_gemm_available():
+        pytest.skip("numba does not compile for AVX2 and FMA here: the bf16-weight kernel does not run")
+    cpu_device = torch.device("cpu")
+    folder = make_checkpoint(tmp_path / "tiny", "llama")
+    auto, reference = EngineConfig(model_path=folder), EngineConfig(model_path=folder, dtype="float32")
+    assert auto.weights == "auto"
+    assert resolve_weights(auto, cpu_device, torch.float32) == "bf16"
+    assert resolve_weights(auto, cpu_device, torch.bfloat16) == "dtype"
+    assert resolve_weights(reference, cpu_device, torch.float32) == "dtype"
+    for chosen in ("dtype", "int8", "bf16"):
+        assert resolve_weights(EngineConfig(model_path=folder, weights=chosen), cpu_device, torch.float32) == chosen
+    monkeypatch.setenv(cpu.HIDE_ENV, "avx512*,amx*,avx_vnni")
+    engine = LLMEngine(EngineConfig(model_path=folder, kv_cache_bytes=4 << 20, block_size=8))
+    assert engine.runner.dtype == torch.float32 and engine.runner.weights == "bf16"
+    assert engine.runner.model.layers[0].qkv.takes == torch.float32
+    kept = LLMEngine(EngineConfig(model_path=folder, dtype="float32", kv_cache_bytes=4 << 20, block_size=8))
+    assert kept.runner.weights == "dtype" and kept.runner.model.layers[0].qkv.weight.dtype == torch.float32
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_real_model_bf16_weights_track_float32_and_do_not_depend_on_the_batch(gguf_path: Path,
