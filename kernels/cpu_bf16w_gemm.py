@@ -19,6 +19,7 @@ Which hosts: any x86-64 CPU numba compiles AVX2 and FMA for (``available``).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -30,14 +31,20 @@ from numba.extending import intrinsic
 from apiary.kernels.cpu_attention import LANES, _close_loop, _data, _open_loop, _splat
 from apiary.kernels import cpu_bf16_gemm
 from apiary.kernels.cpu_bf16_gemm import CHUNK, PackedBF16
-from apiary.kernels.cpu_int8_gemm import TILE, _numba_target_features, _prefetch_group, _store_rows
+from apiary.kernels.cpu_int8_gemm import TILE, _numba_target_features, _prefetch_group, _silu, _store_rows
 from apiary.kernels.errors import KernelError
 
 assert LANES == TILE
 ROWS = 4  # rows per micro-tile (leftovers go as 2, 1): 4 accumulators of 16 lanes, 8 AVX2 registers
 FEATURES = ("avx2", "fma")  # LLVM's names for what the widened products need
 
-__all__ = ["Bound", "PackedBF16", "available", "linear", "pack", "reference"]
+__all__ = ["Bound", "HeldBF16", "available", "linear", "pack", "reference"]
+
+
+@dataclass(frozen=True, slots=True)
+class HeldBF16(PackedBF16):
+    """A float32 layer's weight held in bf16, in ``cpu_bf16_gemm``'s layout, its bias float32: the kind a run of layers
+    in one call (``cpu_decode_layers``) tells apart from a bf16 layer's weight, whose rows are bf16."""
 
 
 @functools.cache
@@ -50,22 +57,23 @@ def available() -> bool:
     return all(features.get(f, False) for f in FEATURES)
 
 
-def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedBF16:
+def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> HeldBF16:
     """``weight [N, K]`` rounded to bf16 in ``cpu_bf16_gemm.pack``'s layout; ``bias [N]`` kept in float32 (it is added
     to float32 sums, as ``F.linear`` in float32 adds it)."""
     packed = cpu_bf16_gemm.pack(weight)
-    if bias is None:
-        return packed
     exact = np.zeros_like(packed.bias)
-    exact[: packed.out_features] = bias.detach().float().numpy()
-    return PackedBF16(packed.packed, exact, packed.out_features, packed.in_features)
+    if bias is not None:
+        exact[: packed.out_features] = bias.detach().float().numpy()
+    return HeldBF16(packed.packed, exact, packed.out_features, packed.in_features)
 
 
-def linear(x: torch.Tensor, weight: PackedBF16) -> torch.Tensor:
-    """``x [M, K] @ W.T + bias`` -> ``[M, N]`` float32, ``x`` a 2-D float32 CPU tensor, ``W`` bf16 (packed)."""
+def linear(x: torch.Tensor, weight: PackedBF16, gated: bool = False) -> torch.Tensor:
+    """``x [M, K] @ W.T + bias`` -> ``[M, N]`` float32, ``x`` a 2-D float32 CPU tensor, ``W`` bf16 (packed). ``gated``:
+    ``x = [gate | up]`` (``[M, 2K]``) and the input is ``silu(gate) * up`` in float32 (``_swiglu``)."""
     k = weight.in_features
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.device.type != "cpu":
-        raise KernelError(f"cpu_bf16w_gemm.linear takes a 2-D CPU float32 tensor of {k} columns, "
+    width = 2 * k if gated else k
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != width or x.device.type != "cpu":
+        raise KernelError(f"cpu_bf16w_gemm.linear takes a 2-D CPU float32 tensor of {width} columns, "
                           f"got {tuple(x.shape)} {x.dtype} on {x.device}")
     if not available():
         raise KernelError(f"cpu_bf16w_gemm: this CPU, as numba compiles for it, lacks {', '.join(FEATURES)}")
@@ -77,27 +85,27 @@ def linear(x: torch.Tensor, weight: PackedBF16) -> torch.Tensor:
     follow_torch_threads()
     rows = x.contiguous().numpy()
     padded = weight.packed.shape[1] * 2
-    if padded != k:  # K not a multiple of 32: the kernel reads whole chunks
+    if padded != k and not gated:  # K not a multiple of 32: the kernel reads whole chunks (gated: its scratch is)
         wide = np.zeros((m, padded), np.float32)
         wide[:, :k] = rows
         rows = wide
     out = np.empty((m, n), np.float32)
-    _tiles(rows, weight.packed, weight.bias, out)
+    _linear(rows, weight.packed, weight.bias, out, gated)
     result = torch.from_numpy(out)
     return result if n == weight.out_features else result[:, : weight.out_features].contiguous()
 
 
 class Bound:
-    """``linear`` for one packed weight, called as ``f(x)``: what a float32 layer with bf16 weights holds
-    (``ops.bind_bf16w_linear``)."""
+    """``linear`` for one packed weight, called as ``f(x, gated=False)``: what a float32 layer with bf16 weights holds
+    (``ops.bind_bf16w_linear``), with the weight there for a run of layers to stack (``cpu_decode_layers``)."""
 
     __slots__ = ("weight",)
 
-    def __init__(self, weight: PackedBF16) -> None:
+    def __init__(self, weight: HeldBF16) -> None:
         self.weight = weight
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+    def __call__(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        return linear(x, self.weight, gated)
 
 
 def reference(x: torch.Tensor, weight: PackedBF16) -> torch.Tensor:
@@ -163,6 +171,28 @@ def _micro_tile_of(rows: int):  # type: ignore[no-untyped-def]
 
 
 _tile_rows, _tile_2, _tile_1 = (_micro_tile_of(rows) for rows in (ROWS, 2, 1))
+
+
+@njit(cache=True, boundscheck=False, nogil=True)
+def _linear(x, packed, bias, out, gated):  # type: ignore[no-untyped-def]
+    """``out [M, Np]`` = ``x [M, Kp]`` (float32) times the packed weight, plus ``bias``. ``gated``: ``x`` is ``[M, 2K]``,
+    gate and up side by side, and the input is ``silu(gate) * up`` (``_swiglu``). The signature a run of layers calls
+    (``cpu_decode_layers``), as ``cpu_bf16_gemm._linear``'s."""
+    if gated:
+        src = np.zeros((x.shape[0], packed.shape[1] * 2), np.float32)
+        _swiglu(x, src)
+        _tiles(src, packed, bias, out)
+    else:
+        _tiles(x, packed, bias, out)
+
+
+@njit(parallel=True, cache=True, boundscheck=False, nogil=True)
+def _swiglu(x, out):  # type: ignore[no-untyped-def]
+    """``out[:, :K]`` = ``silu(gate) * up`` for ``x = [gate | up]``, in float32 (``cpu_int8_gemm._silu``)."""
+    k = x.shape[1] // 2
+    for i in prange(x.shape[0]):
+        for j in range(k):
+            out[i, j] = _silu(x[i, j]) * x[i, k + j]
 
 
 @njit(parallel=True, cache=True, boundscheck=False, nogil=True)

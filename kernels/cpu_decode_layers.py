@@ -32,9 +32,10 @@ import numpy as np
 import torch
 from numba import njit
 
-from apiary.kernels import cpu_attention, cpu_bf16_gemm, cpu_int8_gemm
+from apiary.kernels import cpu_attention, cpu_bf16_gemm, cpu_bf16w_gemm, cpu_int8_gemm
 from apiary.kernels.cpu_attention import _NO_SCALES, _as_f32
 from apiary.kernels.cpu_bf16_gemm import CHUNK, PackedBF16
+from apiary.kernels.cpu_bf16w_gemm import HeldBF16
 from apiary.kernels.cpu_int8_gemm import TILE, GroupedWeight
 from apiary.kernels.cpu_layers import (PARALLEL_ROWS, _np, _rms_norm, _rms_norm_rows, _rotary_write_kv,
                                        _rotary_write_kv_rows, _store)
@@ -42,7 +43,9 @@ from apiary.kernels.errors import KernelError
 
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")  # a layer's projections, in the order they run
 BF16 = "bf16"  # ``LayerStack.gemm`` of a run through the bf16 kernel (an int8 run names its grouped kernel)
-StackWeight = GroupedWeight | PackedBF16
+BF16W = "bf16w"  # ... of a run of float32 rows through bf16-held weights (``cpu_bf16w_gemm``)
+StackWeight = GroupedWeight | PackedBF16 | HeldBF16
+PACKED = {BF16: PackedBF16, BF16W: HeldBF16}  # the weight kind of each bf16-layout run
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +68,7 @@ class LayerStack:
     def views(self) -> list[dict[str, StackWeight]]:
         """Each layer's projections as views of the stack (``GroupedWeight`` or ``PackedBF16``, as stacked), for
         the layers to hold instead of their own copies."""
-        kind = PackedBF16 if self.gemm == BF16 else GroupedWeight  # both: (packed, extra, out_features, in_features)
+        kind = PACKED.get(self.gemm, GroupedWeight)  # each: (packed, extra, out_features, in_features)
         return [{name: kind(packed[i], extra[i], packed.shape[1] * TILE, k)
                  for name, packed, extra, k in zip(PROJECTIONS, self.packed, self.extras, self.in_features)}
                 for i in range(self.count)]
@@ -75,12 +78,12 @@ def stackable(weights: dict[str, object], biases: dict[str, object]) -> str | No
     """Why one layer's projections (``PROJECTIONS`` -> weight, -> bias) cannot join a stack, or None. Weights are
     ``GroupedWeight`` (int8, no bias) or ``PackedBF16`` (bf16, its bias packed with it), all of one kind."""
     kinds = {type(weights.get(name)) for name in PROJECTIONS}
-    bf16 = kinds == {PackedBF16}
+    bf16 = len(kinds) == 1 and kinds <= {PackedBF16, HeldBF16}  # bf16 rows, or float32 rows with bf16-held weights
     for name in PROJECTIONS:
         weight = weights.get(name)
-        if not isinstance(weight, (PackedBF16 if bf16 else GroupedWeight)):
-            return ("the projections are not all grouped int8 or all bf16-kernel weights" if PackedBF16 in kinds
-                    else f"{name} is not a grouped int8 weight")
+        if not isinstance(weight, (next(iter(kinds)) if bf16 else GroupedWeight)):
+            return ("the projections are not all grouped int8, all bf16-kernel or all bf16-held weights"
+                    if kinds & {PackedBF16, HeldBF16} else f"{name} is not a grouped int8 weight")
         if not bf16 and biases.get(name) is not None:
             return f"{name} has a bias"
         if weight.out_features % TILE:
@@ -101,16 +104,21 @@ def stack(first: int, layers: list[dict[str, StackWeight]], input_norms: list[to
         why = stackable(layer, {})
         if why is not None:
             raise KernelError(f"cpu_decode_layers.stack: layer {first + i}: {why}")
-    bf16 = isinstance(layers[0]["qkv"], PackedBF16)
-    if any(isinstance(layer["qkv"], PackedBF16) != bf16 for layer in layers):
-        raise KernelError("cpu_decode_layers.stack: the layers are not all of one kind (int8 or bf16)")
+    kind = type(layers[0]["qkv"])
+    if any(type(layer["qkv"]) is not kind for layer in layers):
+        raise KernelError("cpu_decode_layers.stack: the layers are not all of one kind (int8, bf16 or bf16-held)")
+    held = kind is HeldBF16
+    bf16 = kind is PackedBF16
     if bf16 and not cpu_bf16_gemm.available():
         raise KernelError(f"cpu_decode_layers.stack: this CPU lacks {', '.join(cpu_bf16_gemm.FEATURES)} for bf16 weights")
-    gemm = BF16 if bf16 else cpu_int8_gemm.compiled_kernel(kernel)[0]
+    if held and not cpu_bf16w_gemm.available():
+        raise KernelError(f"cpu_decode_layers.stack: this CPU lacks {', '.join(cpu_bf16w_gemm.FEATURES)} for bf16-held "
+                          "weights")
+    gemm = BF16W if held else BF16 if bf16 else cpu_int8_gemm.compiled_kernel(kernel)[0]
     packed, extras, in_features = [], [], []
     for name in PROJECTIONS:
         weights = [layer[name] for layer in layers]
-        extra = [w.bias if isinstance(w, PackedBF16) else w.scales for w in weights]
+        extra = [w.bias if isinstance(w, PackedBF16) else w.scales for w in weights]  # (HeldBF16 is a PackedBF16)
         shapes = {(w.packed.shape, e.shape, w.in_features) for w, e in zip(weights, extra)}
         if len(shapes) != 1:
             raise KernelError(f"cpu_decode_layers.stack: the layers' {name} weights differ: {sorted(shapes)}")
@@ -140,7 +148,8 @@ def _layers_of(kernel: str, head_dim: int, group: int):  # type: ignore[no-untyp
     """The compiled run for one GEMM kernel (``LayerStack.gemm``) and one attention kernel
     (``cpu_attention.decode_kernel_key``'s ``(head_dim, group)``; ``(0, 0)`` for the generic one). Both GEMMs are
     called as ``gemm(x, packed, extra, out, gated)``."""
-    gemm = cpu_bf16_gemm._linear if kernel == BF16 else cpu_int8_gemm.compiled_kernel(kernel)[1]
+    gemm = (cpu_bf16_gemm._linear if kernel == BF16 else cpu_bf16w_gemm._linear if kernel == BF16W
+            else cpu_int8_gemm.compiled_kernel(kernel)[1])
     attend = cpu_attention._decode_kernel(head_dim, group)
 
     @njit(nogil=True, boundscheck=False)
@@ -215,6 +224,8 @@ def run(stack: LayerStack, x: np.ndarray, residual: np.ndarray | None, pool: np.
     blocks, block_size, Hkv, D]`` of ``x``'s dtype, one decode row per token. Returns new ``(x, residual)`` arrays."""
     if stack.gemm == BF16 and x.dtype != np.int16:
         raise KernelError("cpu_decode_layers.run: a bf16 stack takes bf16 rows")
+    if stack.gemm == BF16W and x.dtype != np.float32:
+        raise KernelError("cpu_decode_layers.run: a stack of bf16-held weights takes float32 rows")
     compiled = _layers_of(stack.gemm, *cpu_attention.decode_kernel_key(num_heads, pool.shape[4], pool.shape[5]))
     (qkv_w, o_w, gu_w, down_w), (qkv_e, o_e, gu_e, down_e) = stack.packed, stack.extras
     return compiled(x, x if residual is None else residual, residual is not None, pool, stack.first, stack.input_norms,

@@ -36,7 +36,7 @@ from apiary.kernels.errors import KernelError
 if TYPE_CHECKING:
     from apiary.kernels.cpu_int8_gemm import GroupedWeight
     from apiary.kernels.cpu_bf16_gemm import Bound as BoundBF16, PackedBF16
-    from apiary.kernels.cpu_bf16w_gemm import Bound as BoundBF16W
+    from apiary.kernels.cpu_bf16w_gemm import Bound as BoundBF16W, HeldBF16
     from apiary.kernels.cpu_decode_layers import LayerStack, StackWeight
     from apiary.kernels.cpu_layers import CpuStep
 
@@ -563,6 +563,13 @@ def bind_bf16w_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) ->
     from apiary.kernels import cpu_bf16w_gemm
 
     return cpu_bf16w_gemm.Bound(cpu_bf16w_gemm.pack(weight, bias))
+
+
+def bind_held_bf16(weight: HeldBF16) -> BoundBF16W:
+    """``bind_bf16w_linear`` for a weight already packed (a view of a ``LayerStack``, ``LayerStack.views``)."""
+    from apiary.kernels import cpu_bf16w_gemm
+
+    return cpu_bf16w_gemm.Bound(weight)
 
 
 def bind_packed_bf16(weight: PackedBF16) -> BoundBF16:

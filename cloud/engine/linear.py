@@ -98,10 +98,10 @@ class Linear:
 
     def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``self(silu(gate) * up)`` for ``gate_up = [gate | up]`` (a SwiGLU's two projections side by side): with
-        the bf16 kernel, the elementwise part inside its call, rounded as the torch ops round; a run of layers
+        the bf16 kernel, the elementwise part inside its call, rounded as the torch ops round (with bf16-held weights,
+        in float32 inside that kernel's call); a run of layers
         in one call (``kernels/cpu_decode_layers.py``) calls the same kernel the same way."""
-        if (self.kernel is not None and self.takes == self.weight.dtype and gate_up.dim() == 2 and gate_up.shape[0]
-                and gate_up.dtype == self.weight.dtype):
+        if self.kernel is not None and gate_up.dim() == 2 and gate_up.shape[0] and gate_up.dtype == self.takes:
             return self.kernel(gate_up, True)
         gate, up = gate_up.chunk(2, dim=-1)
         return self(F.silu(gate) * up)

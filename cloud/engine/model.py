@@ -181,7 +181,7 @@ class LlamaModel:
 
     def stack_layers(self, kernel: str | None = None) -> str:
         """Stack the longest run of consecutive layers that ``ops.layer_stackable`` accepts (grouped int8 projections,
-        or bf16 ones through our bf16 kernel), for decode steps to run in one compiled call
+        bf16 ones through our bf16 kernel, or bf16-held ones of a float32 engine), for decode steps to run in one compiled call
         (``CpuStep.stacked_layers``); the layers then hold views of the stack. Returns what it did, for the
         engine's log. ``kernel``: int8 weights' grouped GEMM (default: the best here)."""
         from apiary.cloud.engine.int8 import PROJECTIONS
@@ -189,13 +189,12 @@ class LlamaModel:
         def weight(lin: object) -> StackWeight | None:
             if isinstance(lin, GroupedInt8Linear):
                 return lin.weight
-            bf16_kernel = isinstance(lin, Linear) and lin.kernel is not None and lin.takes == lin.weight.dtype
-            return lin.kernel.weight if bf16_kernel else None  # type: ignore[union-attr]  # (bf16 weights, float32 rows: no run)
+            return lin.kernel.weight if isinstance(lin, Linear) and lin.kernel is not None else None
 
         def why_not(layer: DecoderLayer) -> str | None:
             lins = [getattr(layer, name) for name in PROJECTIONS]
             if any(weight(lin) is None for lin in lins):
-                return "not all projections are grouped int8 or through the bf16 kernel"
+                return "not all projections are grouped int8, through the bf16 kernel or bf16-held"
             return ops.layer_stackable({n: weight(lin) for n, lin in zip(PROJECTIONS, lins)},
                                        {n: lin.bias if isinstance(lin, GroupedInt8Linear) else None
                                         for n, lin in zip(PROJECTIONS, lins)})
@@ -221,9 +220,14 @@ class LlamaModel:
         for layer, views in zip(layers, self.layer_stack.views()):
             for name, view in views.items():
                 lin = getattr(layer, name)
-                setattr(layer, name, GroupedInt8Linear(view) if isinstance(lin, GroupedInt8Linear)  # type: ignore[arg-type]
-                        else Linear(lin.weight, lin.bias, None, ops.bind_packed_bf16(view),  # type: ignore[arg-type]
-                                    lin.weight.dtype))
+                if isinstance(lin, GroupedInt8Linear):
+                    setattr(layer, name, GroupedInt8Linear(view))  # type: ignore[arg-type]
+                elif lin.takes == torch.float32 and lin.weight.dtype == torch.bfloat16:  # bf16-held weights
+                    setattr(layer, name, Linear(lin.weight, lin.bias, None, ops.bind_held_bf16(view),  # type: ignore[arg-type]
+                                                torch.float32))
+                else:
+                    setattr(layer, name, Linear(lin.weight, lin.bias, None, ops.bind_packed_bf16(view),  # type: ignore[arg-type]
+                                                lin.weight.dtype))
         return (f"decode steps run layers {first}-{first + count - 1} in one compiled call "
                 f"({self.layer_stack.gemm} GEMM)")
 

@@ -1,4 +1,5 @@
-"""A run of layers in one compiled call (int8 weights, or bf16 ones through the vdpbf16ps kernel) against the
+"""A run of layers in one compiled call (int8 weights, bf16 ones through the vdpbf16ps kernel, or float32 rows through
+bf16-held weights) against the
 per-layer calls it replaces, and what a stack refuses."""
 from __future__ import annotations
 
@@ -12,27 +13,33 @@ from apiary.kernels.errors import KernelError
 gemm = pytest.importorskip("apiary.kernels.cpu_int8_gemm")
 layers_mod = pytest.importorskip("apiary.kernels.cpu_decode_layers")
 bf16_gemm = pytest.importorskip("apiary.kernels.cpu_bf16_gemm")
+held_gemm = pytest.importorskip("apiary.kernels.cpu_bf16w_gemm")
 if not gemm.runnable():
     pytest.skip("the grouped int8 GEMM does not run on this CPU (neither AVX-512 VNNI nor AVX2)", allow_module_level=True)
 needs_bf16_kernel = pytest.mark.skipif(not bf16_gemm.available(),
                                        reason=f"numba does not compile for {', '.join(bf16_gemm.FEATURES)} here")
 
+needs_held_kernel = pytest.mark.skipif(not held_gemm.available(),
+                                       reason=f"numba does not compile for {', '.join(held_gemm.FEATURES)} here")
+
 HIDDEN, HQ, HKV, INTER, BLOCK = 256, 4, 2, 384, 8
 
 
-def _layer(g: torch.Generator, head_dim: int, bf16: bool = False) -> dict:
-    """Random int8 projections (``bf16``: bf16 ones, packed for the bf16 kernel, the q/k/v ones with a bias)."""
+def _layer(g: torch.Generator, head_dim: int, bf16: bool | str = False) -> dict:
+    """Random int8 projections (``bf16``: bf16 ones, packed for the bf16 kernel, the q/k/v ones with a bias; ``BF16W``:
+    bf16-held ones for float32 rows)."""
     qkv_out = (HQ + 2 * HKV) * head_dim
     shapes = {"qkv": (qkv_out, HIDDEN), "o_proj": (HIDDEN, HQ * head_dim), "gate_up": (2 * INTER, HIDDEN),
               "down": (HIDDEN, INTER)}
     weights = {name: torch.randn(shape, generator=g) / shape[1] ** 0.5 for name, shape in shapes.items()}
     if bf16:
-        return {name: bf16_gemm.pack(w, torch.randn(w.shape[0], generator=g) if name == "qkv" else None)
+        pack = held_gemm.pack if bf16 == layers_mod.BF16W else bf16_gemm.pack
+        return {name: pack(w, torch.randn(w.shape[0], generator=g) if name == "qkv" else None)
                 for name, w in weights.items()}
     return {name: gemm.quantize_weight(w) for name, w in weights.items()}
 
 
-def _setup(dtype: torch.dtype, head_dim: int, count: int = 3, rows: int = 5, seed: int = 0, bf16: bool = False):
+def _setup(dtype: torch.dtype, head_dim: int, count: int = 3, rows: int = 5, seed: int = 0, bf16: bool | str = False):
     """``count`` random int8 layers (``bf16``: bf16-kernel ones), their norms, a pool of ``count + 2`` layers (the run
     starts at layer 1) with ``rows`` sequences' contexts in it, and the step decoding one token for each."""
     g = torch.Generator().manual_seed(seed)
@@ -56,7 +63,8 @@ def _setup(dtype: torch.dtype, head_dim: int, count: int = 3, rows: int = 5, see
 def _per_layer(step, layers, norms, pool, x, residual, kernel, first=1):
     """What ``LlamaModel.forward``'s CPU path computes layer by layer (``kernel``: the int8 GEMM's, or ``"bf16"``)."""
     views = [(pool[first + i, 0], pool[first + i, 1]) for i in range(len(layers))]  # kept alive: CpuStep keys by id
-    bind = bf16_gemm.Bound if kernel == layers_mod.BF16 else lambda weight: gemm.Bound(weight, kernel)
+    bind = {layers_mod.BF16: bf16_gemm.Bound, layers_mod.BF16W: held_gemm.Bound}.get(
+        kernel, lambda weight: gemm.Bound(weight, kernel))
     for layer, in_norm, post_norm, (k, v) in zip(layers, *norms, views):
         h, residual = step.rms_norm(x, in_norm, residual)
         q = step.rotary_write_kv(bind(layer["qkv"])(h), k, v)
@@ -71,14 +79,15 @@ def _per_layer(step, layers, norms, pool, x, residual, kernel, first=1):
 # (bf16 weights: bf16 rows, both attention kernels)
 CASES = [(torch.bfloat16, 64, gemm.isa()), (torch.float32, 64, gemm.isa()), (torch.bfloat16, 32, gemm.isa())] + [
     (torch.bfloat16, 64, kernel) for kernel in gemm.runnable()[1:]] + [
-    pytest.param(torch.bfloat16, head_dim, layers_mod.BF16, marks=needs_bf16_kernel) for head_dim in (64, 32)]
+    pytest.param(torch.bfloat16, head_dim, layers_mod.BF16, marks=needs_bf16_kernel) for head_dim in (64, 32)] + [
+    pytest.param(torch.float32, head_dim, layers_mod.BF16W, marks=needs_held_kernel) for head_dim in (64, 32)]
 
 
 @pytest.mark.parametrize(("dtype", "head_dim", "kernel"), CASES, ids=lambda v: str(v).removeprefix("torch."))
 def test_a_run_is_the_per_layer_calls_bit_for_bit(dtype, head_dim, kernel):
     """Hidden rows, residual stream and every K/V row written: the per-layer path's exactly (same kernels, same
     order, the query widened and the attention rounded as the torch ops do)."""
-    bf16 = kernel == layers_mod.BF16
+    bf16 = kernel if kernel in (layers_mod.BF16, layers_mod.BF16W) else False
     layers, norms, pool, step, x, residual = _setup(dtype, head_dim, bf16=bf16)
     want_pool = pool.clone()
     want_x, want_residual = _per_layer(step, layers, norms, want_pool, x, residual, kernel)
@@ -167,7 +176,10 @@ def test_what_cannot_join_a_stack_is_named():
         ops.stack_layers(1, layers, *norms, kernel="amx")
     bf16 = _layer(torch.Generator().manual_seed(1), 64, bf16=True)
     assert ops.layer_stackable(bf16, {"qkv": torch.zeros(1)}) is None  # the bf16 kernel adds its own bias
-    assert "not all grouped int8 or all bf16" in ops.layer_stackable({**bf16, "down": layers[0]["down"]}, {})
+    assert "not all grouped int8, all bf16" in ops.layer_stackable({**bf16, "down": layers[0]["down"]}, {})
+    held = _layer(torch.Generator().manual_seed(1), 64, bf16=layers_mod.BF16W)  # float32 rows' weights: not bf16 rows'
+    assert ops.layer_stackable(held, {}) is None
+    assert "all bf16-held weights" in ops.layer_stackable({**held, "down": bf16["down"]}, {})
     ragged = bf16_gemm.pack(torch.randn(HIDDEN, INTER - 16))
     assert "384 inputs" not in ops.layer_stackable({**bf16, "down": ragged}, {})
     assert "368 inputs, not whole chunks of 32" in ops.layer_stackable({**bf16, "down": ragged}, {})

@@ -246,11 +246,12 @@ def test_real_model_bfloat16_answers_do_not_depend_on_the_batch(real_bf16_engine
         assert (alone.output_token_ids, alone.logprobs) == (together.output_token_ids, together.logprobs), prompt
 
 
-def test_bf16_weights_hold_a_float32_engines_projections_in_bf16(tmp_path: Path) -> None:
+def test_bf16_weights_hold_a_float32_engines_projections_in_bf16(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """``weights="bf16"``: a float32 engine's projections hold their weights rounded to bf16 and sum float32 rows in
     float32 (``kernels/cpu_bf16w_gemm.py``), its logits those of the same engine with the rounded weights through
-    ``F.linear``; no run of layers is stacked (that run is bf16 rows' or int8's). A bf16 engine's weights are bf16
-    already: the setting changes nothing there."""
+    ``F.linear``; its layers are stacked, and decode steps through the run in one call give the per-layer path's
+    tokens and logprobs exactly. A bf16 engine's weights are bf16 already: the setting changes nothing there."""
     from apiary.cloud.engine.int8 import PROJECTIONS
     from apiary.cloud.engine.linear import Linear
 
@@ -267,7 +268,15 @@ def test_bf16_weights_hold_a_float32_engines_projections_in_bf16(tmp_path: Path)
             assert isinstance(lin, Linear) and lin.weight.dtype == torch.bfloat16 and lin.takes == torch.float32
             assert torch.equal(lin.weight, getattr(theirs, name).weight.bfloat16())
             setattr(theirs, name, Linear(lin.weight.float(), lin.bias))  # the same rounded weights, through F.linear
-    assert held.runner.model.layer_stack is None
+    stack = held.runner.model.layer_stack
+    assert stack is not None and (stack.first, stack.count, stack.gemm) == (0, 4, "bf16w")
+    for i, layer in enumerate(held.runner.model.layers):
+        assert all(np.shares_memory(getattr(layer, name).kernel.weight.packed, stack.packed[j][i])
+                   for j, name in enumerate(PROJECTIONS))
+    fused, layered, calls = decodes_through_the_run(held, ["Queen present", "Hive 3 lost weight and 2 frames"], 9,
+                                                    monkeypatch)
+    assert calls >= 8
+    assert [(o.output_token_ids, o.logprobs) for o in fused] == [(o.output_token_ids, o.logprobs) for o in layered]
     ids = list(range(3, 40))
     _, ours = prompt_logits(held, ids, use_prefix_cache=False)
     _, theirs = prompt_logits(plain, ids, use_prefix_cache=False)
