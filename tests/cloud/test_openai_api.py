@@ -447,6 +447,26 @@ def test_a_bf16_server_decodes_through_its_run_of_layers(tmp_path, keys, gguf_pa
     assert layered == fused
 
 
+def test_a_bf16_weights_server_decodes_through_its_run_of_layers(tmp_path, keys, gguf_path, monkeypatch):
+    """`apiary cloud serve`'s default engine on a CPU without native bf16 (float32 with its projection weights held
+    in bf16, ``weights="bf16"``; asked for here on any host with AVX2 + FMA) behind the REST door: concurrent
+    streamed chats decode through the run of all 30 layers in one call, and answer, token for token and logprob for
+    logprob, what the per-layer path answers once the run is switched off (each row is summed on its own)."""
+    from apiary.cloud.engine import EngineConfig, LLMEngine
+    from apiary.kernels import ops
+
+    if not ops.bf16w_gemm_available():
+        pytest.skip("numba does not compile for AVX2 and FMA here: the bf16-weight kernel does not run")
+    llm = LLMEngine(EngineConfig(model_path=gguf_path, dtype="float32", weights="bf16", max_num_seqs=4,
+                                 kv_cache_bytes=64 << 20))
+    stack = llm.runner.model.layer_stack
+    assert stack is not None and (stack.first, stack.count, stack.gemm) == (0, 30, "bf16w")
+    with _served(llm, tmp_path, keys, gguf_path) as oa:
+        fused, calls, layered = _through_the_run_and_without(oa, llm, monkeypatch)
+    assert calls >= 8 and all(text for text, _ in fused)
+    assert layered == fused
+
+
 def test_an_int8_server_decodes_through_its_run_of_layers(tmp_path, keys, gguf_path, monkeypatch):
     """`apiary cloud serve --weights int8`'s engine behind the REST door: streamed chats decode through the run of
     int8 layers in one call (``CpuStep.stacked_layers``), and answer, token for token and logprob for logprob, what
