@@ -58,13 +58,13 @@ def numba_runs_projections(config: EngineConfig) -> bool:
     """Whether a CPU engine's projections run in numba's kernels (int8 weights, bf16-held ones, or bf16 ones through
     the vdpbf16ps kernel, decided as ``Linear.of`` decides): then numba's loops go to oneTBB's pool (``threads.apply``)."""
     cpu_device = torch.device("cpu")
-    weights = resolve_weights(config, cpu_device, resolve_dtype(config, cpu_device))
+    dtype = resolve_dtype(config, cpu_device)
+    weights = resolve_weights(config, cpu_device, dtype)
     if weights == "int8":
         return True
-    if weights == "bf16" and resolve_dtype(config, cpu_device) == torch.float32:
+    if weights == "bf16" and dtype == torch.float32:
         return ops.bf16w_gemm_available()
-    return (resolve_dtype(config, torch.device("cpu")) == torch.bfloat16
-            and cpu.native_bf16(cpu.host_flags()) is not None and ops.bf16_gemm_available())
+    return dtype == torch.bfloat16 and cpu.native_bf16(cpu.host_flags()) is not None and ops.bf16_gemm_available()
 
 
 class ModelRunner:
@@ -183,7 +183,7 @@ class ModelRunner:
         424 MB of float32 weights through torch's sgemm; from bf16 it is 212 MB, at 2.7-3.8x sgemm's speed at 1-16
         rows and 1.1-1.3x at 256 (docs/kernels.md). A bf16 engine's weights are bf16 already: nothing to do."""
         if self.dtype != torch.float32:
-            log.info("weights='bf16' on a %s engine: its weights are in its dtype already",
+            log.info("weights='bf16' holds a float32 engine's weights; this %s engine keeps its own",
                      str(self.dtype).removeprefix("torch."))
             return
         from apiary.cloud.engine.int8 import PROJECTIONS
