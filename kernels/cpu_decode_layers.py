@@ -8,9 +8,10 @@ alone, an RMSNorm of 14 rows 15 us for ~3 us of work. Here a run of layers is on
 that calls the same compiled kernels in the same order on buffers it allocates once, so its results are
 the per-layer path's bit for bit (``tests/kernels/test_cpu_decode_layers.py``) and only the glue goes.
 
-Two kinds of run, one per GEMM: grouped int8 weights (``apiary.kernels.cpu_int8_gemm``, an int8 engine's
-middle layers) and bf16 weights through the ``vdpbf16ps`` kernel (``apiary.kernels.cpu_bf16_gemm``, the
-bf16 engine's every layer). What a run needs (``stackable``; the engine takes the per-layer path
+Three kinds of run, one per GEMM: grouped int8 weights (``apiary.kernels.cpu_int8_gemm``, an int8 engine's
+middle layers), bf16 weights through the ``vdpbf16ps`` kernel (``apiary.kernels.cpu_bf16_gemm``, the
+bf16 engine's every layer), and float32 rows through bf16-held weights (``apiary.kernels.cpu_bf16w_gemm``, every
+layer of a float32 engine with ``weights`` ``bf16``, the default where the CPU has no native bf16). What a run needs (``stackable``; the engine takes the per-layer path
 otherwise): one kind for the four projections of every layer, output widths that are whole 16-output
 tiles and (bf16) input widths that are whole 32-input chunks, so nothing is padded between one kernel's
 output and the next one's input; int8 projections without biases (the int8 kernel adds none; the bf16 one
@@ -66,7 +67,7 @@ class LayerStack:
     in_features: tuple[int, ...]
 
     def views(self) -> list[dict[str, StackWeight]]:
-        """Each layer's projections as views of the stack (``GroupedWeight`` or ``PackedBF16``, as stacked), for
+        """Each layer's projections as views of the stack (``GroupedWeight``, ``PackedBF16`` or ``HeldBF16``, as stacked), for
         the layers to hold instead of their own copies."""
         kind = PACKED.get(self.gemm, GroupedWeight)  # each: (packed, extra, out_features, in_features)
         return [{name: kind(packed[i], extra[i], packed.shape[1] * TILE, k)
@@ -76,7 +77,8 @@ class LayerStack:
 
 def stackable(weights: dict[str, object], biases: dict[str, object]) -> str | None:
     """Why one layer's projections (``PROJECTIONS`` -> weight, -> bias) cannot join a stack, or None. Weights are
-    ``GroupedWeight`` (int8, no bias) or ``PackedBF16`` (bf16, its bias packed with it), all of one kind."""
+    ``GroupedWeight`` (int8, no bias), ``PackedBF16`` (bf16, its bias packed with it) or ``HeldBF16`` (bf16-held for
+    float32 rows, its float32 bias packed with it), all of one kind."""
     kinds = {type(weights.get(name)) for name in PROJECTIONS}
     bf16 = len(kinds) == 1 and kinds <= {PackedBF16, HeldBF16}  # bf16 rows, or float32 rows with bf16-held weights
     for name in PROJECTIONS:

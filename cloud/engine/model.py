@@ -222,12 +222,10 @@ class LlamaModel:
                 lin = getattr(layer, name)
                 if isinstance(lin, GroupedInt8Linear):
                     setattr(layer, name, GroupedInt8Linear(view))  # type: ignore[arg-type]
-                elif lin.takes == torch.float32 and lin.weight.dtype == torch.bfloat16:  # bf16-held weights
-                    setattr(layer, name, Linear(lin.weight, lin.bias, None, ops.bind_held_bf16(view),  # type: ignore[arg-type]
-                                                torch.float32))
-                else:
-                    setattr(layer, name, Linear(lin.weight, lin.bias, None, ops.bind_packed_bf16(view),  # type: ignore[arg-type]
-                                                lin.weight.dtype))
+                    continue
+                held = lin.takes != lin.weight.dtype  # float32 rows through bf16-held weights
+                bind = ops.bind_held_bf16 if held else ops.bind_packed_bf16
+                setattr(layer, name, Linear(lin.weight, lin.bias, None, bind(view), lin.takes))  # type: ignore[arg-type]
         return (f"decode steps run layers {first}-{first + count - 1} in one compiled call "
                 f"({self.layer_stack.gemm} GEMM)")
 
