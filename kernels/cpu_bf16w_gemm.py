@@ -95,22 +95,17 @@ def linear(x: torch.Tensor, weight: PackedBF16, gated: bool = False) -> torch.Te
     return result if n == weight.out_features else result[:, : weight.out_features].contiguous()
 
 
-class Bound:
+class Bound(cpu_bf16_gemm.Bound):
     """``linear`` for one packed weight, called as ``f(x, gated=False)``: what a float32 layer with bf16 weights holds
     (``ops.bind_bf16w_linear``), with the weight there for a run of layers to stack (``cpu_decode_layers``)."""
 
-    __slots__ = ("weight",)
-
-    def __init__(self, weight: HeldBF16) -> None:
-        self.weight = weight
+    __slots__ = ()
 
     def __call__(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
         return linear(x, self.weight, gated)
 
 
-def reference(x: torch.Tensor, weight: PackedBF16) -> torch.Tensor:
-    """The exact product in float64, for tests."""
-    return x.double() @ weight.unpacked().double().t() + torch.from_numpy(weight.bias[: weight.out_features]).double()
+reference = cpu_bf16_gemm.reference  # the exact product in float64 (the bias as packed: float32 here), for tests
 
 
 # ---------------------------------------------------------------- compiled parts
