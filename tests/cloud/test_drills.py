@@ -4,7 +4,8 @@ At-least-once answering with exactly-once effect: whatever dies (the cloud mid-r
 broker with the cloud back last, the edge with escalations in its outbox), every escalated
 event gets exactly one final answer, from the cloud, and no request is computed twice.
 The cloud runs with its defaults (a fixed worker id, a persistent session) and one database
-across its restarts, as a deployment does; the edge re-sends at its default interval.
+across its restarts, as a deployment does. The in-process edge re-sends every 3 s, not its default 30 s:
+the same re-send, sooner (the broker drill waits for one).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = "cloud-drill"
+RESEND_S = 3.0  # the in-process edge's re-send interval (default 30 s)
 
 
 def critical(seq: int) -> SensorEvent:
@@ -113,7 +115,8 @@ def mesh(mosquitto, tmp_path: Path):
     observer, bridge, agents = Observer(config), Bridge(config), []
 
     def agent() -> EdgeAgent:
-        settings = EdgeSettings(threads=1, state_dir=str(tmp_path / "state"), escalation_deadline_s=600.0)
+        settings = EdgeSettings(threads=1, state_dir=str(tmp_path / "state"), escalation_deadline_s=600.0,
+                                escalation_resend_s=RESEND_S)
         agents.append(EdgeAgent(settings, site=SITE, device=DEVICE, mqtt=config, model=RecordingModel()).start())
         return agents[-1]
 
