@@ -27,7 +27,10 @@ from tests.apiary.test_demo import check_a_whole_run
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DEMO_DEVICES = 6  # `apiary demo`'s default fleet: 3 sites x 2 hives, one edge agent each
-STEP_1_TRAFFIC_S = 40  # the demo's --duration in the step 1 test: long enough for step 2 to run against it
+# The demo's --duration in the step 1 test: long enough for step 2's two blocks to run against it. The traffic
+# starts while the cloud loads: under the AVX2 rehearsal beside another test worker the cloud was up after 29 s of
+# a 40 s run, its answers took ~15 s each, and step 2's Python block found the demo gone.
+STEP_1_TRAFFIC_S = 60
 
 
 def walkthrough_step(n: int, lang: str = "bash") -> str:
@@ -181,12 +184,18 @@ def test_steps_1_and_2_run_as_written_and_answers_arrive(tmp_path: Path) -> None
     log = tmp_path / "step1.log"
     proc = subprocess.Popen(["bash", "-c", script], cwd=tmp_path, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)
+    python_block = None
     try:
         deadline = time.monotonic() + 180
         while not (m := re.search(r"^shell (export URL=(\S+) KEY=(\S+))$", log.read_text(), re.M)):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(0.5)
         export, url, key = m.groups()
+        # step 2's two blocks at once, as two terminals would (each waits on a chat answer)
+        code = f"import os\nURL, KEY = os.environ['URL'], os.environ['KEY']\n{walkthrough_step(2, 'python')}"
+        python_block = subprocess.Popen([str(ROOT / ".venv/bin/python"), "-c", code], cwd=tmp_path,
+                                        env={**os.environ, "URL": url, "KEY": key}, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True)
         step2 = subprocess.run(["bash", "-c", f"{export}\n{walkthrough_step(2)}"], cwd=tmp_path,
                                capture_output=True, text=True, timeout=180)  # the export line pasted first
         assert step2.returncode == 0, step2.stderr
@@ -194,14 +203,12 @@ def test_steps_1_and_2_run_as_written_and_answers_arrive(tmp_path: Path) -> None
         assert chat["choices"][0]["message"]["content"].strip(), chat
         assert len(devices) >= 6 and all(d["site"] and d["device"] for d in devices), devices
         assert isinstance(escalations, list) and len(escalations) <= 5
-        client = subprocess.run([str(ROOT / ".venv/bin/python"), "-c",
-                                 f"import os\nURL, KEY = os.environ['URL'], os.environ['KEY']\n"
-                                 f"{walkthrough_step(2, 'python')}"],
-                                cwd=tmp_path, env={**os.environ, "URL": url, "KEY": key}, capture_output=True,
-                                text=True, timeout=180)
-        assert client.returncode == 0 and client.stdout.strip(), client.stderr
+        printed, errors = python_block.communicate(timeout=180)
+        assert python_block.returncode == 0 and printed.strip(), errors
         assert proc.wait(300) == 0, log.read_text()[-4000:]
     finally:
+        if python_block is not None and python_block.poll() is None:
+            python_block.kill()
         if proc.poll() is None:
             _stop_group(proc, None)
     out = log.read_text()
