@@ -334,97 +334,106 @@ def _sums(builder, vectors):  # type: ignore[no-untyped-def]
     return add(_shuffle(builder, v, v, [0, 2, 4, 6]), _shuffle(builder, v, v, [1, 3, 5, 7]))
 
 
-@functools.cache
-def _group_dots_of(group: int, head_dim: int, tokens: int):  # type: ignore[no-untyped-def]
-    """The intrinsic ``dots(scores, s_at, s_stride, q, q_at, key, key_at, token_stride, n)``: for each of ``n`` keys
-    u (``token_stride`` elements apart; ``n`` a multiple of ``tokens``, 1 or 4) and each of the ``group`` query
-    heads g that read them, ``scores.flat[s_at + g * s_stride + u] = sum_d q.flat[q_at + g * head_dim + d] *
-    key.flat[key_at + u * token_stride + d]``, keys widened to float32 (``_widen``).
+def _literal(value_type, name: str) -> int:
+    """A compile-time argument of an intrinsic (a closure's constant, typed as a literal): its value."""
+    if not isinstance(value_type, types.IntegerLiteral):
+        raise numba.core.errors.TypingError(f"{name} must be a compile-time constant, got {value_type}")
+    return value_type.literal_value
+
+
+@intrinsic
+def _group_dots(typingctx, scores, s_at, s_stride, q, q_at, key, key_at, token_stride, n, group, head_dim,
+                tokens):  # type: ignore[no-untyped-def]
+    """``_group_dots(scores, s_at, s_stride, q, q_at, key, key_at, token_stride, n, group, head_dim, tokens)``: for
+    each of ``n`` keys u (``token_stride`` elements apart; ``n`` a multiple of ``tokens``, 1 or 4) and each of the
+    ``group`` query heads g that read them, ``scores.flat[s_at + g * s_stride + u] = sum_d q.flat[q_at + g * head_dim
+    + d] * key.flat[key_at + u * token_stride + d]``, keys widened to float32 (``_widen``). ``group``, ``head_dim``
+    (a multiple of ``LANES``) and ``tokens`` are compile-time constants.
 
     Why: the group's queries stay in registers, each key row is widened once for all of them (the numba loops
     widened it per query head: LLVM cannot keep it across the stores to the scores), and ``tokens`` keys' sums
-    are reduced together (``_sums``)."""
-    chunks = head_dim // LANES
+    are reduced together (``_sums``). Why constants as arguments, not a factory of intrinsics per group: numba's
+    disk cache keys a closure by the values it closes over, and an intrinsic object's key changes with every
+    process, so each process compiled the kernel again (5.6 s)."""
+    groups, dim, keys_at_once = (_literal(group, "group"), _literal(head_dim, "head_dim"),
+                                 _literal(tokens, "tokens"))
+    chunks = dim // LANES
+    signature = types.void(scores, types.intp, types.intp, q, types.intp, key, types.intp, types.intp, types.intp,
+                           group, head_dim, tokens)
 
-    @intrinsic
-    def dots(typingctx, scores, s_at, s_stride, q, q_at, key, key_at, token_stride, n):  # type: ignore[no-untyped-def]
-        signature = types.void(scores, types.intp, types.intp, q, types.intp, key, types.intp, types.intp, types.intp)
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        scores_arr, s_at, s_stride, q_arr, q_at, key_arr, key_at, token_stride, count = args[:9]
+        i64, vec = ir.IntType(64), ir.VectorType(ir.FloatType(), LANES)
+        queries = builder.gep(_data(context, builder, sig.args[3], q_arr), [q_at])
+        qs = [[builder.load(builder.bitcast(builder.gep(queries, [ir.Constant(i64, g * dim + c * LANES)]),
+                                            vec.as_pointer()), align=4) for c in range(chunks)] for g in range(groups)]
+        out = builder.gep(_data(context, builder, sig.args[0], scores_arr), [s_at])
+        keys = builder.gep(_data(context, builder, sig.args[5], key_arr), [key_at])
+        entry, loop, done = _open_loop(builder, f"group_dots_{keys_at_once}", count)
+        u = builder.phi(i64)
+        sums: list[list] = [[] for _ in range(groups)]
+        for j in range(keys_at_once):
+            row = builder.gep(keys, [builder.mul(builder.add(u, ir.Constant(i64, j)), token_stride)])
+            widened = [_widen(builder, sig.args[5], builder.gep(row, [ir.Constant(i64, c * LANES)]))
+                       for c in range(chunks)]
+            for g in range(groups):
+                acc = builder.fmul(qs[g][0], widened[0], flags=("fast",))
+                for c in range(1, chunks):
+                    acc = builder.fadd(acc, builder.fmul(qs[g][c], widened[c], flags=("fast",)), flags=("fast",))
+                sums[g].append(acc)
+        for g in range(groups):
+            at = builder.gep(out, [builder.add(builder.mul(s_stride, ir.Constant(i64, g)), u)])
+            total = _sums(builder, sums[g])
+            if keys_at_once > 1:
+                builder.store(total, builder.bitcast(at, total.type.as_pointer()), align=4)
+            else:
+                builder.store(builder.extract_element(total, ir.Constant(ir.IntType(32), 0)), at, align=4)
+        _close_loop(builder, u, keys_at_once, count, [], [], entry, loop, done)
+        return context.get_dummy_value()
 
-        def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-            scores_arr, s_at, s_stride, q_arr, q_at, key_arr, key_at, token_stride, count = args
-            i64, vec = ir.IntType(64), ir.VectorType(ir.FloatType(), LANES)
-            queries = builder.gep(_data(context, builder, sig.args[3], q_arr), [q_at])
-            qs = [[builder.load(builder.bitcast(builder.gep(queries, [ir.Constant(i64, g * head_dim + c * LANES)]),
-                                                vec.as_pointer()), align=4) for c in range(chunks)] for g in range(group)]
-            out = builder.gep(_data(context, builder, sig.args[0], scores_arr), [s_at])
-            keys = builder.gep(_data(context, builder, sig.args[5], key_arr), [key_at])
-            entry, loop, done = _open_loop(builder, f"group_dots_{tokens}", count)
-            u = builder.phi(i64)
-            sums: list[list] = [[] for _ in range(group)]
-            for j in range(tokens):
-                row = builder.gep(keys, [builder.mul(builder.add(u, ir.Constant(i64, j)), token_stride)])
-                widened = [_widen(builder, sig.args[5], builder.gep(row, [ir.Constant(i64, c * LANES)]))
-                           for c in range(chunks)]
-                for g in range(group):
-                    acc = builder.fmul(qs[g][0], widened[0], flags=("fast",))
-                    for c in range(1, chunks):
-                        acc = builder.fadd(acc, builder.fmul(qs[g][c], widened[c], flags=("fast",)), flags=("fast",))
-                    sums[g].append(acc)
-            for g in range(group):
-                at = builder.gep(out, [builder.add(builder.mul(s_stride, ir.Constant(i64, g)), u)])
-                total = _sums(builder, sums[g])
-                builder.store(total if tokens > 1 else builder.extract_element(total, ir.Constant(ir.IntType(32), 0)),
-                              builder.bitcast(at, total.type.as_pointer()) if tokens > 1 else at, align=4)
-            _close_loop(builder, u, tokens, count, [], [], entry, loop, done)
-            return context.get_dummy_value()
-
-        return signature, codegen
-
-    return dots
+    return signature, codegen
 
 
-@functools.cache
-def _group_sums_of(group: int, head_dim: int):  # type: ignore[no-untyped-def]
-    """The intrinsic ``sums(acc, acc_at, p, p_at, p_stride, value, v_at, token_stride, n)``: for each of the
+@intrinsic
+def _group_sums(typingctx, acc, acc_at, p, p_at, p_stride, value, v_at, token_stride, n, group,
+                head_dim):  # type: ignore[no-untyped-def]
+    """``_group_sums(acc, acc_at, p, p_at, p_stride, value, v_at, token_stride, n, group, head_dim)``: for each of the
     ``group`` query heads g, ``acc.flat[acc_at + g * head_dim + d] += sum_u p.flat[p_at + g * p_stride + u] *
     value.flat[v_at + u * token_stride + d]`` over ``n`` value rows ``token_stride`` elements apart (widened,
-    ``_widen``).
+    ``_widen``); ``group`` and ``head_dim`` are compile-time constants (see ``_group_dots``).
 
     Why: the group's ``group x head_dim`` sums stay in registers across the rows and each value row is widened
     once for all of them; the numba loop loaded and stored every sum, and widened the row again, per query head."""
-    chunks = head_dim // LANES
+    groups, dim = _literal(group, "group"), _literal(head_dim, "head_dim")
+    chunks = dim // LANES
+    signature = types.void(acc, types.intp, p, types.intp, types.intp, value, types.intp, types.intp, types.intp,
+                           group, head_dim)
 
-    @intrinsic
-    def sums(typingctx, acc, acc_at, p, p_at, p_stride, value, v_at, token_stride, n):  # type: ignore[no-untyped-def]
-        signature = types.void(acc, types.intp, p, types.intp, types.intp, value, types.intp, types.intp, types.intp)
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        acc_arr, acc_at, p_arr, p_at, p_stride, value_arr, v_at, token_stride, count = args[:9]
+        i64, vec = ir.IntType(64), ir.VectorType(ir.FloatType(), LANES)
+        probs = builder.gep(_data(context, builder, sig.args[2], p_arr), [p_at])
+        values = builder.gep(_data(context, builder, sig.args[5], value_arr), [v_at])
+        entry, loop, done = _open_loop(builder, "group_sums", count)
+        u = builder.phi(i64)
+        accs = [builder.phi(vec) for _ in range(groups * chunks)]
+        row = builder.gep(values, [builder.mul(u, token_stride)])
+        widened = [_widen(builder, sig.args[5], builder.gep(row, [ir.Constant(i64, c * LANES)])) for c in range(chunks)]
+        totals = []
+        for g in range(groups):
+            at = builder.add(builder.mul(p_stride, ir.Constant(i64, g)), u)
+            weight = _splat(builder, builder.load(builder.gep(probs, [at])))
+            totals += [builder.fadd(accs[g * chunks + c], builder.fmul(weight, widened[c], flags=("fast",)),
+                                    flags=("fast",)) for c in range(chunks)]
+        results = _close_loop(builder, u, 1, count, accs, totals, entry, loop, done)
+        target = builder.gep(_data(context, builder, sig.args[0], acc_arr), [acc_at])
+        for i, result in enumerate(results):
+            offset = ir.Constant(i64, (i // chunks) * dim + (i % chunks) * LANES)
+            at = builder.bitcast(builder.gep(target, [offset]), vec.as_pointer())
+            builder.store(builder.fadd(builder.load(at, align=4), result, flags=("fast",)), at, align=4)
+        return context.get_dummy_value()
 
-        def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-            acc_arr, acc_at, p_arr, p_at, p_stride, value_arr, v_at, token_stride, count = args
-            i64, vec = ir.IntType(64), ir.VectorType(ir.FloatType(), LANES)
-            probs = builder.gep(_data(context, builder, sig.args[2], p_arr), [p_at])
-            values = builder.gep(_data(context, builder, sig.args[5], value_arr), [v_at])
-            entry, loop, done = _open_loop(builder, "group_sums", count)
-            u = builder.phi(i64)
-            accs = [builder.phi(vec) for _ in range(group * chunks)]
-            row = builder.gep(values, [builder.mul(u, token_stride)])
-            widened = [_widen(builder, sig.args[5], builder.gep(row, [ir.Constant(i64, c * LANES)]))
-                       for c in range(chunks)]
-            totals = []
-            for g in range(group):
-                p = _splat(builder, builder.load(builder.gep(probs, [builder.add(builder.mul(p_stride, ir.Constant(i64, g)), u)])))
-                totals += [builder.fadd(accs[g * chunks + c], builder.fmul(p, widened[c], flags=("fast",)),
-                                        flags=("fast",)) for c in range(chunks)]
-            results = _close_loop(builder, u, 1, count, accs, totals, entry, loop, done)
-            target = builder.gep(_data(context, builder, sig.args[0], acc_arr), [acc_at])
-            for i, result in enumerate(results):
-                at = builder.bitcast(builder.gep(target, [ir.Constant(i64, (i // chunks) * head_dim + (i % chunks) * LANES)]),
-                                     vec.as_pointer())
-                builder.store(builder.fadd(builder.load(at, align=4), result, flags=("fast",)), at, align=4)
-            return context.get_dummy_value()
-
-        return signature, codegen
-
-    return sums
+    return signature, codegen
 
 
 @njit(fastmath=True, cache=True, boundscheck=False, inline="always")
@@ -491,21 +500,23 @@ def decode_kernel_key(num_heads: int, num_kv_heads: int, head_dim: int) -> tuple
 def _decode_kernel(head_dim: int, group: int):  # type: ignore[no-untyped-def]
     """The decode kernel for ``decode_kernel_key``'s ``(head_dim, group)``: ``_generic_decode`` for ``(0, 0)``.
 
-    Compiled once per process (~5.6 s, in the engine's warm-up), not read from numba's disk cache: a cached copy
-    (its intrinsics taking the group and head dim as literal arguments, so that the cache could key it) corrupted
-    the heap in a test process that then built an int8 engine (glibc's ``MALLOC_CHECK_=3``: "free(): invalid next
-    size", 4 of 4 runs; never with this kernel compiled in-process). The cause was not found; docs/kernels.md."""
+    Each is a function of its own name (``decode_d64_g3``), read from numba's disk cache after its first
+    compilation (~5 s; loading it takes well under a second). Why the name: numba names compiled code by the
+    function's qualified name and a counter that restarts in every process, and a function linked into another
+    (the decode run of layers calls this one) is merged by name with a definition already loaded. When every
+    group's kernel was a closure named ``decode``, two groups' kernels compiled in different processes carried the
+    same symbol (seen); a cached copy then corrupted the heap in one test process (glibc's ``MALLOC_CHECK_=3``,
+    "free(): invalid next size", 4 of 4 runs, never reproduced since; docs/kernels.md). Whether the shared symbol
+    was the cause is not proven; with a name per kernel it cannot be."""
     if not head_dim:
         return _generic_decode
-    dots4, dots1, sums = _group_dots_of(group, head_dim, 4), _group_dots_of(group, head_dim, 1), _group_sums_of(group, head_dim)
 
-    @njit(parallel=True, fastmath=True, cache=False, boundscheck=False, nogil=True)
     def decode(q, k_cache, v_cache, k_scale, v_scale, quantized, block_tables, context_lens, scale, window,
                out):  # type: ignore[no-untyped-def]
         """``_generic_decode``'s contract, for queries of ``head_dim`` with ``group`` query heads per KV head.
 
         A sequence's tokens go by runs within a block (contiguous rows), each KV head's group at once: its
-        scores by ``_group_dots_of`` (four keys at a time), its weighted sums by ``_group_sums_of``. Against the
+        scores by ``_group_dots`` (four keys at a time), its weighted sums by ``_group_sums``. Against the
         numba loops (``_generic_decode``, then compiled per head dim) on 30 layers of 16 sequences of 100-700
         tokens, SmolLM2's heads, bf16: see docs/kernels.md."""
         num_seqs, num_heads = q.shape[0], q.shape[1]
@@ -525,9 +536,10 @@ def _decode_kernel(head_dim: int, group: int):  # type: ignore[no-untyped-def]
                 whole = count - count % 4
                 for h in range(num_kv_heads):
                     row = (block * block_size + offset) * row_stride + h * head_dim
-                    dots4(scores, h * group * n + t, n, scaled_q, h * group * head_dim, k_cache, row, row_stride, whole)
-                    dots1(scores, h * group * n + t + whole, n, scaled_q, h * group * head_dim, k_cache,
-                          row + whole * row_stride, row_stride, count - whole)
+                    _group_dots(scores, h * group * n + t, n, scaled_q, h * group * head_dim, k_cache, row, row_stride,
+                                whole, group, head_dim, 4)
+                    _group_dots(scores, h * group * n + t + whole, n, scaled_q, h * group * head_dim, k_cache,
+                                row + whole * row_stride, row_stride, count - whole, group, head_dim, 1)
                     if quantized:
                         for hq in range(h * group, (h + 1) * group):
                             for u in range(count):
@@ -542,12 +554,15 @@ def _decode_kernel(head_dim: int, group: int):  # type: ignore[no-untyped-def]
                         for hq in range(h * group, (h + 1) * group):
                             for u in range(count):
                                 scores[hq, t + u] *= v_scale[block, offset + u, h]
-                    sums(acc, h * group * head_dim, scores, h * group * n + t, n, v_cache,
-                         (block * block_size + offset) * row_stride + h * head_dim, row_stride, count)
+                    _group_sums(acc, h * group * head_dim, scores, h * group * n + t, n, v_cache,
+                                (block * block_size + offset) * row_stride + h * head_dim, row_stride, count, group,
+                                head_dim)
                 t += count
             _write_rows(out, b, acc)
 
-    return decode
+    decode.__name__ = f"decode_d{head_dim}_g{group}"
+    decode.__qualname__ = f"_decode_kernel.<locals>.{decode.__name__}"
+    return njit(parallel=True, fastmath=True, cache=True, boundscheck=False, nogil=True)(decode)
 
 
 @njit(parallel=True, fastmath=True, cache=True, boundscheck=False, nogil=True)
