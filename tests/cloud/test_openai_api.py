@@ -426,6 +426,17 @@ def _through_the_run_and_without(oa, llm, monkeypatch, concurrent: bool = True) 
     return fused, fused_calls, layered
 
 
+def _answers_the_same_through_the_run_and_without(llm, gemm: str, tmp_path, keys, gguf_path, monkeypatch) -> None:
+    """``llm`` runs all 30 layers of a decode step in one call through the ``gemm`` kernel, and behind the REST door
+    its concurrent chats decode through that run and answer what the per-layer path answers."""
+    stack = llm.runner.model.layer_stack
+    assert stack is not None and (stack.first, stack.count, stack.gemm) == (0, 30, gemm)
+    with _served(llm, tmp_path, keys, gguf_path) as oa:
+        fused, calls, layered = _through_the_run_and_without(oa, llm, monkeypatch)
+    assert calls >= 8 and all(text for text, _ in fused)
+    assert layered == fused
+
+
 def test_a_bf16_server_decodes_through_its_run_of_layers(tmp_path, keys, gguf_path, monkeypatch):
     """`apiary cloud serve`'s default engine where bf16 is native and our vdpbf16ps kernel runs, behind the REST
     door: concurrent streamed chats decode through the run of all 30 layers in one call, and answer, token for
@@ -439,12 +450,7 @@ def test_a_bf16_server_decodes_through_its_run_of_layers(tmp_path, keys, gguf_pa
             and importlib.import_module("apiary.kernels.cpu_bf16_gemm").available()):
         pytest.skip("this host's bf16 layers do not take the vdpbf16ps kernel (no avx512_bf16 for numba)")
     llm = LLMEngine(EngineConfig(model_path=gguf_path, max_num_seqs=4, kv_cache_bytes=64 << 20))  # dtype auto
-    stack = llm.runner.model.layer_stack
-    assert stack is not None and (stack.first, stack.count, stack.gemm) == (0, 30, "bf16")
-    with _served(llm, tmp_path, keys, gguf_path) as oa:
-        fused, calls, layered = _through_the_run_and_without(oa, llm, monkeypatch)
-    assert calls >= 8 and all(text for text, _ in fused)
-    assert layered == fused
+    _answers_the_same_through_the_run_and_without(llm, "bf16", tmp_path, keys, gguf_path, monkeypatch)
 
 
 def test_a_bf16_weights_server_decodes_through_its_run_of_layers(tmp_path, keys, gguf_path, monkeypatch):
@@ -459,12 +465,7 @@ def test_a_bf16_weights_server_decodes_through_its_run_of_layers(tmp_path, keys,
         pytest.skip("numba does not compile for AVX2 and FMA here: the bf16-weight kernel does not run")
     llm = LLMEngine(EngineConfig(model_path=gguf_path, dtype="float32", weights="bf16", max_num_seqs=4,
                                  kv_cache_bytes=64 << 20))
-    stack = llm.runner.model.layer_stack
-    assert stack is not None and (stack.first, stack.count, stack.gemm) == (0, 30, "bf16w")
-    with _served(llm, tmp_path, keys, gguf_path) as oa:
-        fused, calls, layered = _through_the_run_and_without(oa, llm, monkeypatch)
-    assert calls >= 8 and all(text for text, _ in fused)
-    assert layered == fused
+    _answers_the_same_through_the_run_and_without(llm, "bf16w", tmp_path, keys, gguf_path, monkeypatch)
 
 
 def test_an_int8_server_decodes_through_its_run_of_layers(tmp_path, keys, gguf_path, monkeypatch):
