@@ -19,15 +19,18 @@ adds its own); and a float KV pool whose layers are one array. Decode rows only:
 milliseconds a layer, where the glue does not show, and their attention kernels are chosen by run length.
 
 The weights are stacked once (``[layers, ...]`` per projection) and each layer's weight becomes a view of
-its slice (``LayerStack.views``), so the model holds them once. The function is built per GEMM kernel and
-attention kernel (``_layers_of``) and compiled once per process, not cached on disk: numba keys a cached
-function by its own source file only, and a cached copy would go on calling the kernels it was compiled
-with after they change.
+its slice (``LayerStack.views``), so the model holds them once. The function is compiled per GEMM kernel and
+attention kernel (``_layers_of``) and cached on disk under a name that carries a digest of the kernels' sources:
+numba checks a cached function against its own source file only, and a copy found by its name alone would go on
+calling the kernels it was compiled with after they change.
 """
 from __future__ import annotations
 
 import functools
+import hashlib
+import types
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -145,76 +148,99 @@ def _norm(wide, x, residual, has_residual, weight, eps, out, summed):  # type: i
         _rms_norm(x, residual, has_residual, weight, eps, out, summed)
 
 
+def _kernel_sources_digest() -> str:
+    """A digest of every CPU kernel's source, for the compiled run's name: numba checks a cached function against
+    its own file only, and the run has the kernels of five other files compiled into it."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("cpu_*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+_SOURCES = _kernel_sources_digest()
+_gemm = _attend = None  # the run's GEMM and attention kernels: set in each compiled copy's globals by ``_layers_of``
+
+
+def _layers(x, residual, has_residual, pool, first, input_norms, post_norms, qkv_w, qkv_e, o_w, o_e, gu_w, gu_e,
+            down_w, down_e, num_heads, positions, cos_sin, slots, tables, lens, scale, window, eps,
+            no_scales, yes, no):  # type: ignore[no-untyped-def]
+    """``(x, residual)`` after the stack's layers, from the hidden rows ``x [T, H]`` and the residual stream
+    (``has_residual`` False: none yet, as before a model's first layer). Each layer is ``LlamaModel.forward``'s
+    CPU path: norm, qkv, rotary and the KV write into ``pool[first + l]``, decode attention, o_proj, norm,
+    gate/up, down. ``yes``/``no``: True and False as run-time values, for the kernels' flags: a constant is
+    typed as a literal and compiles the kernels again, specialised, where the per-layer path calls the ones
+    compiled for run-time flags, and LLVM may vectorise the two apart (seen once: a float32 run an ulp off)."""
+    t = x.shape[0]
+    num_kv_heads, head_dim = pool.shape[4], pool.shape[5]
+    normed = np.empty_like(x)
+    sum_a, sum_b = np.empty_like(x), np.empty_like(x)  # the residual stream, taking turns
+    qkv = np.empty((t, qkv_w.shape[1] * TILE), x.dtype)
+    q = np.empty((t, num_heads, head_dim), x.dtype)
+    q32 = np.empty((t, num_heads, head_dim), np.float32)
+    attn32 = np.empty((t, num_heads, head_dim), np.float32)
+    attn = np.empty((t, num_heads * head_dim), x.dtype)
+    o = np.empty((t, o_w.shape[1] * TILE), x.dtype)
+    gate_up = np.empty((t, gu_w.shape[1] * TILE), x.dtype)
+    out = np.empty((t, down_w.shape[1] * TILE), x.dtype)
+    hidden, res = x, residual
+    turn = 0
+    wide = t >= PARALLEL_ROWS  # the row-parallel norm and rotary, as ``CpuStep`` takes them
+    for layer in range(input_norms.shape[0]):
+        k_cache, v_cache = pool[first + layer, 0], pool[first + layer, 1]
+        # the sum goes to the buffer the residual is not in (``CpuStep.rms_norm``: aliasing changes rounding)
+        target = sum_a if turn == 0 else sum_b
+        if has_residual or layer > 0:
+            _norm(wide, hidden, res, yes, input_norms[layer], eps, normed, target)
+            res, turn = target, 1 - turn
+        else:  # no residual stream yet: it starts as the rows themselves
+            _norm(wide, hidden, hidden, no, input_norms[layer], eps, normed, normed)
+            res = hidden
+        _gemm(normed, qkv_w[layer], qkv_e[layer], qkv, no)
+        k_rows, v_rows = (k_cache.reshape((-1, num_kv_heads, head_dim)),
+                          v_cache.reshape((-1, num_kv_heads, head_dim)))
+        if wide:
+            _rotary_write_kv_rows(qkv, num_heads, num_kv_heads, positions, cos_sin, q, k_rows, v_rows, slots)
+        else:
+            _rotary_write_kv(qkv, num_heads, num_kv_heads, positions, cos_sin, q, k_rows, v_rows, slots)
+        for i in range(t):
+            for h in range(num_heads):
+                for d in range(head_dim):
+                    q32[i, h, d] = _as_f32(q[i, h, d])
+        _attend(q32, k_cache, v_cache, no_scales, no_scales, no, tables, lens, scale, window, attn32)
+        for i in range(t):
+            for h in range(num_heads):
+                for d in range(head_dim):
+                    attn[i, h * head_dim + d] = _store(attn, attn32[i, h, d])
+        _gemm(attn, o_w[layer], o_e[layer], o, no)
+        target = sum_a if turn == 0 else sum_b
+        _norm(wide, o, res, yes, post_norms[layer], eps, normed, target)
+        res, turn = target, 1 - turn
+        _gemm(normed, gu_w[layer], gu_e[layer], gate_up, no)
+        _gemm(gate_up, down_w[layer], down_e[layer], out, yes)
+        hidden = out
+    return hidden, res
+
+
 @functools.cache
 def _layers_of(kernel: str, head_dim: int, group: int):  # type: ignore[no-untyped-def]
     """The compiled run for one GEMM kernel (``LayerStack.gemm``) and one attention kernel
     (``cpu_attention.decode_kernel_key``'s ``(head_dim, group)``; ``(0, 0)`` for the generic one). Both GEMMs are
-    called as ``gemm(x, packed, extra, out, gated)``."""
+    called as ``gemm(x, packed, extra, out, gated)``.
+
+    Each is ``_layers`` under a name of its own, with the two kernels as its globals, read from numba's disk cache
+    after its first compilation (~2.4 s a process, paid in every engine's warm-up before). Why globals and not a
+    closure: numba keys a cached closure by its cells' pickles, and a pickled dispatcher carries a per-process id,
+    so a closure would never be found again. Why the name: it says which kernels are compiled in, and carries
+    the kernels' source digest, so a changed kernel is compiled afresh, not read stale; and numba merges linked
+    code by name (``cpu_attention._decode_kernel``), so each compiled run has a name of its own."""
     gemm = (cpu_bf16_gemm._linear if kernel == BF16 else cpu_bf16w_gemm._linear if kernel == BF16W
             else cpu_int8_gemm.compiled_kernel(kernel)[1])
-    attend = cpu_attention._decode_kernel(head_dim, group)
-
-    @njit(nogil=True, boundscheck=False)
-    def layers(x, residual, has_residual, pool, first, input_norms, post_norms, qkv_w, qkv_e, o_w, o_e, gu_w, gu_e,
-               down_w, down_e, num_heads, positions, cos_sin, slots, tables, lens, scale, window, eps,
-               no_scales, yes, no):  # type: ignore[no-untyped-def]
-        """``(x, residual)`` after the stack's layers, from the hidden rows ``x [T, H]`` and the residual stream
-        (``has_residual`` False: none yet, as before a model's first layer). Each layer is ``LlamaModel.forward``'s
-        CPU path: norm, qkv, rotary and the KV write into ``pool[first + l]``, decode attention, o_proj, norm,
-        gate/up, down. ``yes``/``no``: True and False as run-time values, for the kernels' flags: a constant is
-        typed as a literal and compiles the kernels again, specialised, where the per-layer path calls the ones
-        compiled for run-time flags, and LLVM may vectorise the two apart (seen once: a float32 run an ulp off)."""
-        t = x.shape[0]
-        num_kv_heads, head_dim = pool.shape[4], pool.shape[5]
-        normed = np.empty_like(x)
-        sum_a, sum_b = np.empty_like(x), np.empty_like(x)  # the residual stream, taking turns
-        qkv = np.empty((t, qkv_w.shape[1] * TILE), x.dtype)
-        q = np.empty((t, num_heads, head_dim), x.dtype)
-        q32 = np.empty((t, num_heads, head_dim), np.float32)
-        attn32 = np.empty((t, num_heads, head_dim), np.float32)
-        attn = np.empty((t, num_heads * head_dim), x.dtype)
-        o = np.empty((t, o_w.shape[1] * TILE), x.dtype)
-        gate_up = np.empty((t, gu_w.shape[1] * TILE), x.dtype)
-        out = np.empty((t, down_w.shape[1] * TILE), x.dtype)
-        hidden, res = x, residual
-        turn = 0
-        wide = t >= PARALLEL_ROWS  # the row-parallel norm and rotary, as ``CpuStep`` takes them
-        for layer in range(input_norms.shape[0]):
-            k_cache, v_cache = pool[first + layer, 0], pool[first + layer, 1]
-            # the sum goes to the buffer the residual is not in (``CpuStep.rms_norm``: aliasing changes rounding)
-            target = sum_a if turn == 0 else sum_b
-            if has_residual or layer > 0:
-                _norm(wide, hidden, res, yes, input_norms[layer], eps, normed, target)
-                res, turn = target, 1 - turn
-            else:  # no residual stream yet: it starts as the rows themselves
-                _norm(wide, hidden, hidden, no, input_norms[layer], eps, normed, normed)
-                res = hidden
-            gemm(normed, qkv_w[layer], qkv_e[layer], qkv, no)
-            k_rows, v_rows = (k_cache.reshape((-1, num_kv_heads, head_dim)),
-                              v_cache.reshape((-1, num_kv_heads, head_dim)))
-            if wide:
-                _rotary_write_kv_rows(qkv, num_heads, num_kv_heads, positions, cos_sin, q, k_rows, v_rows, slots)
-            else:
-                _rotary_write_kv(qkv, num_heads, num_kv_heads, positions, cos_sin, q, k_rows, v_rows, slots)
-            for i in range(t):
-                for h in range(num_heads):
-                    for d in range(head_dim):
-                        q32[i, h, d] = _as_f32(q[i, h, d])
-            attend(q32, k_cache, v_cache, no_scales, no_scales, no, tables, lens, scale, window, attn32)
-            for i in range(t):
-                for h in range(num_heads):
-                    for d in range(head_dim):
-                        attn[i, h * head_dim + d] = _store(attn, attn32[i, h, d])
-            gemm(attn, o_w[layer], o_e[layer], o, no)
-            target = sum_a if turn == 0 else sum_b
-            _norm(wide, o, res, yes, post_norms[layer], eps, normed, target)
-            res, turn = target, 1 - turn
-            gemm(normed, gu_w[layer], gu_e[layer], gate_up, no)
-            gemm(gate_up, down_w[layer], down_e[layer], out, yes)
-            hidden = out
-        return hidden, res
-
-    return layers
+    name = f"layers_{kernel}_d{head_dim}_g{group}_{_SOURCES}"
+    run_of = types.FunctionType(_layers.__code__, {**globals(), "_gemm": gemm,
+                                                   "_attend": cpu_attention._decode_kernel(head_dim, group)}, name)
+    run_of.__qualname__ = f"_layers_of.<locals>.{name}"
+    run_of.__doc__ = _layers.__doc__
+    return njit(nogil=True, boundscheck=False, cache=True)(run_of)
 
 
 

@@ -203,3 +203,45 @@ def test_a_run_refuses_a_step_it_cannot_serve():
     with pytest.raises(KernelError, match="decode rows only"):
         prompt.stacked_layers(torch.randn(6, HIDDEN, generator=g).to(torch.bfloat16), None, stack, pool)
     assert torch.equal(pool, before)
+
+
+_RUN_AND_COUNT = """
+import importlib.util, sys
+import torch
+spec = importlib.util.spec_from_file_location("decode_layers_cases", sys.argv[1])
+cases = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(cases)
+layers, norms, pool, step, x, residual = cases._setup(torch.bfloat16, 64)
+stack = cases.ops.stack_layers(1, layers, *norms)
+step.stacked_layers(x, residual, stack, pool)
+compiled = cases.layers_mod._layers_of(stack.gemm, *cases.layers_mod.cpu_attention.decode_kernel_key(
+    cases.HQ, cases.HKV, 64))
+print(compiled.py_func.__qualname__, sum(compiled.stats.cache_hits.values()), sum(compiled.stats.cache_misses.values()))
+"""
+
+
+def test_a_run_loads_from_numbas_disk_cache_in_a_new_process_under_a_name_with_the_kernels_digest():
+    """The compiled run is cached on disk: a second process loads it, not compiles it again (~2.4 s in every engine's
+    warm-up before). Its name carries the digest of the kernels' sources, so a changed kernel is a new name."""
+    import subprocess
+    import sys
+
+    runs = [subprocess.run([sys.executable, "-c", _RUN_AND_COUNT, __file__], capture_output=True, text=True,
+                           check=True) for _ in range(2)]
+    name, hits, misses = runs[1].stdout.split()[-3:]
+    assert (int(hits), int(misses)) == (1, 0), runs[1].stdout + runs[1].stderr
+    assert name == f"_layers_of.<locals>.layers_{gemm.isa()}_d64_g{HQ // HKV}_{layers_mod._SOURCES}"
+
+
+def test_the_kernels_digest_follows_every_cpu_kernels_source(tmp_path, monkeypatch):
+    """Any kernel file's change gives the run a new name (numba checks a cached function against its own file only)."""
+    from pathlib import Path
+
+    kernels = Path(layers_mod.__file__).parent
+    for path in kernels.glob("cpu_*.py"):
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    monkeypatch.setattr(layers_mod, "__file__", str(tmp_path / "cpu_decode_layers.py"))
+    assert layers_mod._kernel_sources_digest() == layers_mod._SOURCES
+    with (tmp_path / "cpu_layers.py").open("a") as f:
+        f.write("\n# a change\n")
+    assert layers_mod._kernel_sources_digest() != layers_mod._SOURCES
