@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from apiary.cloud.engine import checkpoint_cache
 from apiary.cloud.engine.config import ModelConfig
 from apiary.cloud.engine.errors import EngineError
 
@@ -67,6 +68,17 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def load_gguf(path: Path) -> Checkpoint:
+    """The checkpoint of a GGUF file: from ``checkpoint_cache`` where an earlier process kept it, else read here
+    (and kept there)."""
+    cached = checkpoint_cache.lookup(path)
+    if cached is not None:
+        return cached
+    checkpoint = _read_gguf(path)
+    checkpoint_cache.store(path, checkpoint)
+    return checkpoint
+
+
+def _read_gguf(path: Path) -> Checkpoint:
     import gguf
 
     try:
