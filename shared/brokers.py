@@ -362,6 +362,29 @@ def _amqtt_classes() -> tuple[type, type]:
     return OpenAuthPlugin, Mqtt311Broker
 
 
+async def _close_listeners(broker: Any) -> None:
+    """Close amqtt's listening sockets (what its own shutdown does last, and skips when it fails earlier)."""
+    for server in list(getattr(broker, "_servers", {}).values()):
+        await server.close_instance()
+
+
+def _close_loop(loop: asyncio.AbstractEventLoop, timeout: float = 5.0) -> None:
+    """Cancel what amqtt left running, let it unwind while the loop is open, then close the loop (as
+    ``asyncio.run`` does). Why: amqtt's shutdown leaves its broadcast loop and each session's handlers
+    waiting on queues; closed with the loop, they were destroyed later by the garbage collector, their
+    cleanup called the closed loop, and the "Exception ignored" report formatted a traceback whenever the
+    collector happened to run. Python 3.11 parses source to draw a traceback's carets, and a parse inside
+    another parse (pytest rewriting an import) breaks the interpreter's AST depth count: pytest's internal
+    error "AST constructor recursion depth mismatch", which ended a whole test run (a broker-restart test)."""
+    tasks = asyncio.all_tasks(loop)
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        loop.run_until_complete(asyncio.wait(tasks, timeout=timeout))
+    loop.run_until_complete(loop.shutdown_asyncgens())
+    loop.close()
+
+
 def __getattr__(name: str) -> Any:
     # amqtt loads plugins by dotted path ("apiary.shared.brokers.OpenAuthPlugin").
     if name == "OpenAuthPlugin":
@@ -437,8 +460,7 @@ class EmbeddedBroker:
             loop.run_until_complete(boot())
             if "error" not in ready:
                 loop.run_forever()
-            loop.run_until_complete(loop.shutdown_asyncgens())
-            loop.close()
+            _close_loop(loop)
 
         thread = threading.Thread(target=run, name=f"amqtt-{self.port}", daemon=True)
         thread.start()
@@ -454,8 +476,14 @@ class EmbeddedBroker:
             return
         try:
             asyncio.run_coroutine_threadsafe(self._broker.shutdown(), self._loop).result(timeout)
-        except Exception as e:  # a failed shutdown must not leave the thread behind
-            log.warning("amqtt shutdown: %s", e)
+        except Exception as e:  # a failed shutdown must not leave the thread, or the port, behind
+            # (seen: a shutdown cancelled from inside amqtt with a client mid-handshake left the listener open,
+            # and the restart on the same port failed with "address already in use")
+            log.warning("amqtt shutdown failed (%r); closing its listeners", e)
+            try:
+                asyncio.run_coroutine_threadsafe(_close_listeners(self._broker), self._loop).result(timeout)
+            except Exception as e:
+                log.warning("amqtt listeners: %r", e)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout)
         self._loop = self._thread = self._broker = None
