@@ -8,7 +8,8 @@ An entry is a folder named by a digest of the file's resolved path, size, mtime 
 own source (a changed file or a changed loader is a new entry, never a stale one): ``weights.safetensors``
 (the tensors and the config's tensor extras) and ``checkpoint.json`` (the config, the metadata, the source's
 stat). Where: ``$APIARY_CHECKPOINT_CACHE``, default ``~/.cache/apiary/checkpoints``; ``off`` turns it off.
-Files under ``MIN_BYTES`` load fast as they are and are not cached.
+Files under ``MIN_BYTES`` load fast as they are and are not cached; at most ``MAX_ENTRIES`` are kept, the
+least recently used removed first.
 
 The cache never fails a load: an entry it cannot read is removed and the GGUF read again; an entry it cannot
 write (a full disk, a read-only home) is skipped with a warning. Entries are written to a temporary folder
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 
 ENV = "APIARY_CHECKPOINT_CACHE"
 MIN_BYTES = 16 << 20
+MAX_ENTRIES = 4  # the least recently used go first (SmolLM2-135M takes ~540 MB as float32)
 FORMAT = 1  # the layout of an entry
 _WEIGHTS, _META = "weights.safetensors", "checkpoint.json"
 _EXTRA = "__config_extra__."  # the tensor prefix of the config's tensor extras (Llama 3's rope_freq_factors)
@@ -84,6 +86,10 @@ def lookup(path: Path) -> Checkpoint | None:
         shutil.rmtree(entry, ignore_errors=True)
         return None
     log.info("checkpoint %s read from the cache (%s)", path, entry)
+    try:
+        os.utime(entry)  # recently used: kept longest
+    except OSError:
+        pass
     return checkpoint
 
 
@@ -115,6 +121,7 @@ def store(path: Path, checkpoint: Checkpoint) -> None:
                            "loader": _loader_digest()})
         root.mkdir(parents=True, exist_ok=True)
         _remove_stale(root)
+        _make_room(root)
         tmp = Path(tempfile.mkdtemp(prefix=".writing-", dir=root))
         from safetensors.torch import save_file
 
@@ -147,6 +154,19 @@ def _remove_stale(root: Path) -> None:
             meta = source = current = None
         if current is None or current != source or meta["loader"] != loader:
             shutil.rmtree(entry, ignore_errors=True)
+
+
+def _make_room(root: Path) -> None:
+    """Remove the least recently used entries until one more fits under ``MAX_ENTRIES``."""
+    entries = []
+    for entry in root.iterdir():
+        if not entry.name.startswith("."):
+            try:
+                entries.append((entry.stat().st_mtime, entry))
+            except OSError:
+                continue
+    for _, entry in sorted(entries)[:max(0, len(entries) - MAX_ENTRIES + 1)]:
+        shutil.rmtree(entry, ignore_errors=True)
 
 
 def _older_than_an_hour(entry: Path) -> bool:

@@ -154,6 +154,22 @@ def test_off_keeps_nothing_and_small_files_are_not_kept(tmp_path: Path, cache: P
     assert _entries(cache) == []
 
 
+def test_the_least_recently_used_entry_goes_first_past_max_entries(tmp_path: Path, cache: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(checkpoint_cache, "MAX_ENTRIES", 2)
+    first, second, third = (_tiny_gguf(tmp_path / f"{i}.gguf", seed=i) for i in range(3))
+    load_checkpoint(first)
+    time.sleep(0.01)
+    load_checkpoint(second)
+    time.sleep(0.01)
+    assert checkpoint_cache.lookup(first) is not None  # used again: now the second is the least recently used
+    time.sleep(0.01)
+    load_checkpoint(third)
+    assert len(_entries(cache)) == 2
+    assert checkpoint_cache.lookup(first) is not None and checkpoint_cache.lookup(third) is not None
+    assert checkpoint_cache.lookup(second) is None
+
+
 def test_a_write_left_by_a_killed_process_is_ignored_then_removed_once_old(tmp_path: Path, cache: Path) -> None:
     cache.mkdir()
     old, fresh = cache / ".writing-old", cache / ".writing-fresh"
