@@ -19,6 +19,7 @@ one removes the entries whose source file is gone or changed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -58,6 +59,7 @@ def _stat_of(path: Path) -> dict[str, int | str]:
     return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
 
 
+@functools.cache
 def _loader_digest() -> str:
     """The loader's and this module's source: what the cached tensors were made by."""
     digest = hashlib.sha256(str(FORMAT).encode())
@@ -129,7 +131,7 @@ def store(path: Path, checkpoint: Checkpoint) -> None:
         (tmp / _META).write_text(text)
         os.rename(tmp, _entry(root, stat))
         tmp = None
-    except (OSError, TypeError, ValueError) as e:  # a full disk, a read-only home, metadata JSON cannot hold
+    except Exception as e:  # a full disk, a read-only home, metadata JSON cannot hold, tensors safetensors refuses
         if not (isinstance(e, OSError) and _entry(root, stat).is_dir()):  # not merely another process first
             log.warning("checkpoint cache: could not keep %s in %s (%s); the next start reads the GGUF again",
                         path, root, e)
