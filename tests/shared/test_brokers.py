@@ -357,12 +357,9 @@ def test_embedded_broker_restarts_on_its_port_after_a_failed_shutdown(monkeypatc
     pub.connect("127.0.0.1", port)
     pub.loop_start()
     try:
-        def cancelled() -> None:
-            raise asyncio.CancelledError
-
         async def shutdown() -> None:  # what amqtt's shutdown did: cancelled midway, before closing its listener
             await asyncio.sleep(0)
-            cancelled()
+            raise asyncio.CancelledError
 
         monkeypatch.setattr(broker._broker, "shutdown", shutdown)
         broker.stop()
