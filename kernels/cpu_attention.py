@@ -210,6 +210,43 @@ def _lane_sums(typingctx, out, out_at, p, p_at, p_stride, v, v_at, v_stride, n):
     return signature, codegen
 
 
+@intrinsic
+def _lane_max(typingctx, top, scores, n):  # type: ignore[no-untyped-def]
+    """``top.flat[:16] = max(top.flat[:16], max_t scores.flat[16 t : 16 t + 16])`` over ``t < n``, lane by lane.
+
+    Why: written as numba loops (``top[lane] = max(top[lane], scores[t, lane])``) the maximum stayed scalar, one
+    compare per score: ~20% of ``_runs``' time for a 512-token prompt (docs/kernels.md)."""
+    signature = types.void(top, scores, types.intp)
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        top_arr, scores_arr, count = args
+        i64, vec = ir.IntType(64), ir.VectorType(ir.FloatType(), LANES)
+        maxnum = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec, vec]), "llvm.maxnum.v16f32")
+        target = builder.bitcast(_data(context, builder, sig.args[0], top_arr), vec.as_pointer())
+        rows = _data(context, builder, sig.args[1], scores_arr)
+        start = builder.load(target, align=4)
+        entry, loop, done = _open_loop(builder, "lane_max", count)
+        t = builder.phi(i64)
+        acc = builder.phi(vec)
+        row = builder.load(builder.bitcast(builder.gep(rows, [builder.mul(t, ir.Constant(i64, LANES))]), vec.as_pointer()),
+                           align=4)
+        following = builder.call(maxnum, [acc, row])
+        nxt = builder.add(t, ir.Constant(i64, 1))
+        t.add_incoming(ir.Constant(i64, 0), entry)
+        t.add_incoming(nxt, loop)
+        acc.add_incoming(start, entry)
+        acc.add_incoming(following, loop)
+        builder.cbranch(builder.icmp_signed("<", nxt, count), loop, done)
+        builder.position_at_end(done)
+        result = builder.phi(vec)
+        result.add_incoming(start, entry)
+        result.add_incoming(following, loop)
+        builder.store(result, target, align=4)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
 @njit(fastmath=True, cache=True, inline="always")
 def _exp(x):  # type: ignore[no-untyped-def]
     """exp(x) for x <= 0 in float32 (Cephes' expf: within 2 ulp of ``np.exp``), in plain arithmetic.
@@ -334,6 +371,22 @@ def _sums(builder, vectors):  # type: ignore[no-untyped-def]
     return add(_shuffle(builder, v, v, [0, 2, 4, 6]), _shuffle(builder, v, v, [1, 3, 5, 7]))
 
 
+def bf16_dots() -> bool:
+    """Whether numba compiles ``vdpbf16ps`` here (``cpu_bf16_gemm.available``): bf16 caches' dot products then take it."""
+    from apiary.kernels import cpu_bf16_gemm
+
+    return cpu_bf16_gemm.available()
+
+
+def _bf16_dot(builder):  # type: ignore[no-untyped-def]
+    """``llvm.x86.avx512bf16.dpbf16ps.512`` in this module, and its ``<32 x bfloat>`` operand type."""
+    from apiary.kernels.cpu_bf16_gemm import _BFloat
+
+    f32x, bfx = ir.VectorType(ir.FloatType(), LANES), ir.VectorType(_BFloat(), 2 * LANES)
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32x, [f32x, bfx, bfx]),
+                                          "llvm.x86.avx512bf16.dpbf16ps.512"), bfx
+
+
 def _literal(value_type, name: str) -> int:
     """A compile-time argument of an intrinsic (a closure's constant, typed as a literal): its value."""
     if not isinstance(value_type, types.IntegerLiteral):
@@ -343,12 +396,17 @@ def _literal(value_type, name: str) -> int:
 
 @intrinsic
 def _group_dots(typingctx, scores, s_at, s_stride, q, q_at, key, key_at, token_stride, n, group, head_dim,
-                tokens):  # type: ignore[no-untyped-def]
-    """``_group_dots(scores, s_at, s_stride, q, q_at, key, key_at, token_stride, n, group, head_dim, tokens)``: for
-    each of ``n`` keys u (``token_stride`` elements apart; ``n`` a multiple of ``tokens``, 1 or 4) and each of the
-    ``group`` query heads g that read them, ``scores.flat[s_at + g * s_stride + u] = sum_d q.flat[q_at + g * head_dim
-    + d] * key.flat[key_at + u * token_stride + d]``, keys widened to float32 (``_widen``). ``group``, ``head_dim``
-    (a multiple of ``LANES``) and ``tokens`` are compile-time constants.
+                tokens, scale):  # type: ignore[no-untyped-def]
+    """``_group_dots(scores, s_at, s_stride, q, q_at, key, key_at, token_stride, n, group, head_dim, tokens, scale)``:
+    for each of ``n`` keys u (``token_stride`` elements apart; ``n`` a multiple of ``tokens``, 1 or 4) and each of
+    the ``group`` query heads g that read them, ``scores.flat[s_at + g * s_stride + u] = scale * sum_d q.flat[q_at + g
+    * head_dim + d] * key.flat[key_at + u * token_stride + d]``, keys widened to float32 (``_widen``). ``group``,
+    ``head_dim`` (a multiple of ``LANES``) and ``tokens`` are compile-time constants.
+
+    bf16 keys where numba compiles ``vdpbf16ps`` (``bf16_dots``) are not widened: the queries are rounded to bf16
+    once (exact for a bf16 engine's, which are bf16 values) and each 32 products of a key come from one
+    ``vdpbf16ps`` per query head (products exact, sums float32), against two widenings and two FMAs: decode
+    attention's scores in about half the instructions (docs/kernels.md).
 
     Why: the group's queries stay in registers, each key row is widened once for all of them (the numba loops
     widened it per query head: LLVM cannot keep it across the stores to the scores), and ``tokens`` keys' sums
@@ -359,7 +417,8 @@ def _group_dots(typingctx, scores, s_at, s_stride, q, q_at, key, key_at, token_s
                                  _literal(tokens, "tokens"))
     chunks = dim // LANES
     signature = types.void(scores, types.intp, types.intp, q, types.intp, key, types.intp, types.intp, types.intp,
-                           group, head_dim, tokens)
+                           group, head_dim, tokens, types.float32)
+    paired = key.dtype == types.int16 and dim % (2 * LANES) == 0 and bf16_dots()
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
         scores_arr, s_at, s_stride, q_arr, q_at, key_arr, key_at, token_stride, count = args[:9]
@@ -367,6 +426,10 @@ def _group_dots(typingctx, scores, s_at, s_stride, q, q_at, key, key_at, token_s
         queries = builder.gep(_data(context, builder, sig.args[3], q_arr), [q_at])
         qs = [[builder.load(builder.bitcast(builder.gep(queries, [ir.Constant(i64, g * dim + c * LANES)]),
                                             vec.as_pointer()), align=4) for c in range(chunks)] for g in range(groups)]
+        if paired:  # each 32 query elements as one vector of bf16 (nearest even), key elements in the same order
+            dot, bfx = _bf16_dot(builder)
+            qs = [[builder.fptrunc(_shuffle(builder, qs[g][c], qs[g][c + 1], list(range(2 * LANES))), bfx)
+                   for c in range(0, chunks, 2)] for g in range(groups)]
         out = builder.gep(_data(context, builder, sig.args[0], scores_arr), [s_at])
         keys = builder.gep(_data(context, builder, sig.args[5], key_arr), [key_at])
         entry, loop, done = _open_loop(builder, f"group_dots_{keys_at_once}", count)
@@ -374,6 +437,15 @@ def _group_dots(typingctx, scores, s_at, s_stride, q, q_at, key, key_at, token_s
         sums: list[list] = [[] for _ in range(groups)]
         for j in range(keys_at_once):
             row = builder.gep(keys, [builder.mul(builder.add(u, ir.Constant(i64, j)), token_stride)])
+            if paired:
+                halves = [builder.load(builder.bitcast(builder.gep(row, [ir.Constant(i64, c * 2 * LANES)]),
+                                                       bfx.as_pointer()), align=2) for c in range(chunks // 2)]
+                for g in range(groups):
+                    acc = ir.Constant(vec, None)
+                    for c, half in enumerate(halves):
+                        acc = builder.call(dot, [acc, qs[g][c], half])
+                    sums[g].append(acc)
+                continue
             widened = [_widen(builder, sig.args[5], builder.gep(row, [ir.Constant(i64, c * LANES)]))
                        for c in range(chunks)]
             for g in range(groups):
@@ -381,9 +453,11 @@ def _group_dots(typingctx, scores, s_at, s_stride, q, q_at, key, key_at, token_s
                 for c in range(1, chunks):
                     acc = builder.fadd(acc, builder.fmul(qs[g][c], widened[c], flags=("fast",)), flags=("fast",))
                 sums[g].append(acc)
+        scale_v = _splat(builder, args[12])
         for g in range(groups):
             at = builder.gep(out, [builder.add(builder.mul(s_stride, ir.Constant(i64, g)), u)])
             total = _sums(builder, sums[g])
+            total = builder.fmul(total, _shuffle(builder, scale_v, scale_v, [0] * total.type.count), flags=("fast",))
             if keys_at_once > 1:
                 builder.store(total, builder.bitcast(at, total.type.as_pointer()), align=4)
             else:
@@ -528,7 +602,7 @@ def _decode_kernel(head_dim: int, group: int):  # type: ignore[no-untyped-def]
             if n <= 0:
                 _write_rows(out, b, acc)
                 continue
-            scaled_q = _scaled_queries(q, b, scale)
+            queries = _scaled_queries(q, b, np.float32(1.0))  # the scale multiplies the sums (_group_dots)
             scores = np.empty((num_heads, n), np.float32)
             t = 0
             while t < n:
@@ -536,10 +610,10 @@ def _decode_kernel(head_dim: int, group: int):  # type: ignore[no-untyped-def]
                 whole = count - count % 4
                 for h in range(num_kv_heads):
                     row = (block * block_size + offset) * row_stride + h * head_dim
-                    _group_dots(scores, h * group * n + t, n, scaled_q, h * group * head_dim, k_cache, row, row_stride,
-                                whole, group, head_dim, 4)
-                    _group_dots(scores, h * group * n + t + whole, n, scaled_q, h * group * head_dim, k_cache,
-                                row + whole * row_stride, row_stride, count - whole, group, head_dim, 1)
+                    _group_dots(scores, h * group * n + t, n, queries, h * group * head_dim, k_cache, row, row_stride,
+                                whole, group, head_dim, 4, scale)
+                    _group_dots(scores, h * group * n + t + whole, n, queries, h * group * head_dim, k_cache,
+                                row + whole * row_stride, row_stride, count - whole, group, head_dim, 1, scale)
                     if quantized:
                         for hq in range(h * group, (h + 1) * group):
                             for u in range(count):
@@ -755,17 +829,7 @@ def _runs(q, k_cache, v_cache, k_scale, v_scale, quantized, block_tables, cu_seq
     group = num_heads // num_kv_heads
     stride = num_kv_heads * head_dim
     num_seqs = seqs.shape[0]
-    # Per sequence: its first cached position read, its offset in the widened rows, its first work item.
-    firsts = np.empty(num_seqs, np.int64)
-    row_at = np.zeros(num_seqs + 1, np.int64)
-    item_at = np.zeros(num_seqs + 1, np.int64)
-    for s in range(num_seqs):
-        b = seqs[s]
-        num_q = cu_seqlens[b + 1] - cu_seqlens[b]
-        first = context_lens[b] - num_q
-        firsts[s] = max(0, first + 1 - window) if window > 0 else 0
-        row_at[s + 1] = row_at[s] + context_lens[b] - firsts[s]
-        item_at[s + 1] = item_at[s] + num_kv_heads * ((num_q * group + LANES - 1) // LANES)
+    firsts, row_at, item_at = _run_layout(seqs, cu_seqlens, context_lens, window, group, num_kv_heads, False)
     keys = np.empty((row_at[num_seqs], num_kv_heads, head_dim), np.float32)
     values = np.empty((row_at[num_seqs], num_kv_heads, head_dim), np.float32)
     for s in prange(num_seqs):
@@ -783,22 +847,9 @@ def _runs(q, k_cache, v_cache, k_scale, v_scale, quantized, block_tables, cu_seq
     num_items = item_at[num_seqs]
     masked = np.float32(-3.0e38)
     for index in prange(num_items):
-        # Later items of a prompt see more keys: items alternate from both ends to even out the threads' shares.
-        item = index // 2 if index % 2 == 0 else num_items - 1 - index // 2
-        s = 0
-        while item_at[s + 1] <= item:
-            s += 1
-        b = seqs[s]
-        row0, num_q = cu_seqlens[b], cu_seqlens[b + 1] - cu_seqlens[b]
-        first = context_lens[b] - num_q  # position of the run's first query
-        local = item - item_at[s]
-        chunks = (num_q * group + LANES - 1) // LANES
-        h, c = local // chunks, local % chunks
-        lo_row, hi_row = c * LANES, min(num_q * group, (c + 1) * LANES)
-        lo_q, hi_q = lo_row // group, (hi_row - 1) // group  # the item's first and last query
-        start = firsts[s]
-        lo = max(0, first + lo_q + 1 - window) - start if window > 0 else 0  # keys any of its rows may see
-        hi = first + hi_q + 1 - start
+        s, h, lo_row, hi_row, first, lo, hi = _run_item(index, num_items, item_at, seqs, cu_seqlens, context_lens,
+                                                        firsts, group, window)
+        row0, start = cu_seqlens[seqs[s]], firsts[s]
         n = hi - lo
         q_t = np.zeros((head_dim, LANES), np.float32)
         for j in range(lo_row, hi_row):
@@ -813,22 +864,9 @@ def _runs(q, k_cache, v_cache, k_scale, v_scale, quantized, block_tables, cu_seq
         for t in range(whole, n):
             _lane_dots(scores, t * LANES, 0, q_t, 0, LANES, keys, ((base + t) * num_kv_heads + h) * head_dim, 1, 0,
                        head_dim)
-        # Causal (and window) mask, only where the rows disagree: keys after the first query, before the last's window.
-        for t in range(max(0, first + lo_q + 1 - start - lo), n):
-            pos = start + lo + t
-            for j in range(lo_row, hi_row):
-                if pos > first + j // group:
-                    scores[t, j - lo_row] = masked
-        if window > 0:
-            for t in range(0, min(n, first + hi_q + 1 - window - start - lo)):
-                pos = start + lo + t
-                for j in range(lo_row, hi_row):
-                    if pos <= first + j // group - window:
-                        scores[t, j - lo_row] = masked
+        _mask_run(scores, n, start + lo, first, lo_row, hi_row, group, window, masked)
         top = np.full(LANES, masked, np.float32)
-        for t in range(n):
-            for lane in range(LANES):
-                top[lane] = max(top[lane], scores[t, lane])
+        _lane_max(top, scores, n)
         total = np.zeros(LANES, np.float32)
         for t in range(n):
             for lane in range(LANES):
@@ -842,6 +880,77 @@ def _runs(q, k_cache, v_cache, k_scale, v_scale, quantized, block_tables, cu_seq
             inv = np.float32(1.0) / total[j - lo_row]
             for d in range(head_dim):
                 out[row0 + j // group, h * group + j % group, d] = acc[d, j - lo_row] * inv
+
+
+def long_runs_kernel(k_cache: np.ndarray):  # type: ignore[no-untyped-def]
+    """The kernel for query runs longer than ``SHORT_QUERIES`` over caches like ``k_cache`` (a ``_cache_array`` view):
+    ``cpu_attention_bf16.runs`` (``vdpbf16ps``, half the instructions) for bf16 caches where numba compiles for
+    ``avx512_bf16``, ``_runs`` otherwise. Both take the same arguments."""
+    if k_cache.dtype == np.int16 and k_cache.shape[3] % LANES == 0:
+        from apiary.kernels import cpu_attention_bf16
+
+        if cpu_attention_bf16.available():
+            return cpu_attention_bf16.runs
+    return _runs
+
+
+@njit(fastmath=True, cache=True, boundscheck=False, inline="always")
+def _run_layout(seqs, cu_seqlens, context_lens, window, group, num_kv_heads, paired):  # type: ignore[no-untyped-def]
+    """Per sequence of a prompt kernel's ``seqs``: its first cached position read, its first row in the kernel's copy
+    of the rows it reads (``paired``: an even row, and a zero pair after its rows, for ``cpu_attention_bf16``, whose
+    items may read one key past their last), and its first work item (16 rows of one KV head)."""
+    num_seqs = seqs.shape[0]
+    firsts = np.empty(num_seqs, np.int64)
+    row_at = np.zeros(num_seqs + 1, np.int64)
+    item_at = np.zeros(num_seqs + 1, np.int64)
+    for s in range(num_seqs):
+        b = seqs[s]
+        num_q = cu_seqlens[b + 1] - cu_seqlens[b]
+        first = context_lens[b] - num_q
+        firsts[s] = max(0, first + 1 - window) if window > 0 else 0
+        rows = context_lens[b] - firsts[s]
+        row_at[s + 1] = row_at[s] + (rows + rows % 2 + 2 if paired else rows)
+        item_at[s + 1] = item_at[s] + num_kv_heads * ((num_q * group + LANES - 1) // LANES)
+    return firsts, row_at, item_at
+
+
+@njit(fastmath=True, cache=True, boundscheck=False, inline="always")
+def _run_item(index, num_items, item_at, seqs, cu_seqlens, context_lens, firsts, group, window):  # type: ignore[no-untyped-def]
+    """A prompt kernel's work item (``_runs``, ``cpu_attention_bf16.runs``) -> ``(s, h, lo_row, hi_row, first, lo,
+    hi)``: its sequence's index in ``seqs``, its KV head, its rows ``[lo_row, hi_row)`` of the head's ``num_q * group``
+    (query, head) rows, the run's first query position, and the keys ``[lo, hi)`` (from ``firsts[s]``) any of its
+    rows may see. Later items of a prompt see more keys: items alternate from both ends to even out the threads'
+    shares (prange hands each thread one contiguous chunk)."""
+    item = index // 2 if index % 2 == 0 else num_items - 1 - index // 2
+    s = 0
+    while item_at[s + 1] <= item:
+        s += 1
+    b = seqs[s]
+    num_q = cu_seqlens[b + 1] - cu_seqlens[b]
+    first = context_lens[b] - num_q  # position of the run's first query
+    local = item - item_at[s]
+    chunks = (num_q * group + LANES - 1) // LANES
+    h, c = local // chunks, local % chunks
+    lo_row, hi_row = c * LANES, min(num_q * group, (c + 1) * LANES)
+    lo_q, hi_q = lo_row // group, (hi_row - 1) // group  # the item's first and last query
+    lo = max(0, first + lo_q + 1 - window) - firsts[s] if window > 0 else 0
+    return s, h, lo_row, hi_row, first, lo, first + hi_q + 1 - firsts[s]
+
+
+@njit(fastmath=True, cache=True, boundscheck=False, inline="always")
+def _mask_run(scores, n, pos0, first, lo_row, hi_row, group, window, masked):  # type: ignore[no-untyped-def]
+    """Causal (and window) mask of an item's ``scores [n, 16]`` over the keys from position ``pos0``, only where its
+    rows disagree: keys after its first query, and before its last query's window."""
+    lo_q, hi_q = lo_row // group, (hi_row - 1) // group
+    for t in range(max(0, first + lo_q + 1 - pos0), n):
+        for j in range(lo_row, hi_row):
+            if pos0 + t > first + j // group:
+                scores[t, j - lo_row] = masked
+    if window > 0:
+        for t in range(0, min(n, first + hi_q + 1 - window - pos0)):
+            for j in range(lo_row, hi_row):
+                if pos0 + t <= first + j // group - window:
+                    scores[t, j - lo_row] = masked
 
 
 def supports(k_cache: torch.Tensor) -> bool:
@@ -902,7 +1011,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         args = (q.float().contiguous().numpy(), _cache_array(k_cache), _cache_array(v_cache), *scales, quantized,
                 block_tables.to(torch.int32).contiguous().numpy(), cu.numpy(),
                 context_lens.to(torch.int32).contiguous().numpy())
-        for kernel, mine in ((_varlen, lens <= SHORT_QUERIES), (_runs, lens > SHORT_QUERIES)):
+        for kernel, mine in ((_varlen, lens <= SHORT_QUERIES), (long_runs_kernel(args[1]), lens > SHORT_QUERIES)):
             if bool(mine.any()):
                 kernel(*args, seqs[mine].to(torch.int32).contiguous().numpy(), np.float32(scale),
                        int(sliding_window or 0), out)
@@ -942,7 +1051,7 @@ class Prepared:
 class PreparedPrefill:
     """``paged_prefill_attention`` for the query runs of one step (prompt chunks, verifications), whose every layer
     shares the block tables, offsets, lengths, scale and window: those are converted and the runs split by length
-    (``_varlen`` or ``_runs``) once, and the float32 query and output buffers are reused by every layer.
+    (``_varlen`` or ``long_runs_kernel``'s) once, and the float32 query and output buffers are reused by every layer.
 
     Why: around a 380-token chunk's 1.31 ms of kernel the per-call path spent 0.57 ms (the checks, the tensor ops
     that split the runs, a 2.4 MB query widened into a fresh array, a zeroed output, its rounding), in every
@@ -958,7 +1067,7 @@ class PreparedPrefill:
         lens = (cu[1:] - cu[:-1]).long()
         seqs = torch.nonzero(lens > 0).flatten()
         self.runs = [(kernel, seqs[mine].to(torch.int32).contiguous().numpy())
-                     for kernel, mine in ((_varlen, lens[seqs] <= SHORT_QUERIES), (_runs, lens[seqs] > SHORT_QUERIES))
+                     for kernel, mine in ((_varlen, lens[seqs] <= SHORT_QUERIES), (None, lens[seqs] > SHORT_QUERIES))
                      if bool(mine.any())]
         self.tables = block_tables.to(torch.int32).contiguous().numpy()
         self.cu, self.lens = cu.numpy(), context_lens.to(torch.int32).contiguous().numpy()
@@ -975,6 +1084,8 @@ class PreparedPrefill:
         k_scale, v_scale = scales if scales is not None else (_NO_SCALES, _NO_SCALES)
         query, out = self.q32.numpy(), self.out.numpy()
         for kernel, seqs in self.runs:
+            if kernel is None:  # the long runs: the kernel for these caches
+                kernel = long_runs_kernel(k_cache)
             kernel(query, k_cache, v_cache, k_scale, v_scale, scales is not None, self.tables, self.cu, self.lens,
                    seqs, self.scale, self.window, out)
         return into.copy_(self.out)

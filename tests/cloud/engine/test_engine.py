@@ -266,8 +266,9 @@ def test_an_announced_urgent_arrival_interrupts_a_less_urgent_step(tiny_llama: P
 
 def test_warm_up_loads_the_prompt_attention_kernels_before_serving(tiny_llama: Path) -> None:
     """In a fresh interpreter: creating the engine has already run (compiled or loaded) both CPU attention kernels
-    for queries, the short-run one and the long-run one a first request's prompt takes, so that request does not
-    wait for them (a cold cache made a first prompt wait 5.9 s for the long-run kernel)."""
+    for queries, the short-run one and the long-run one a first request's prompt takes (``long_runs_kernel``'s for
+    the engine's cache: the bf16 one where ``vdpbf16ps`` compiles), so that request does not wait for them (a cold
+    cache made a first prompt wait 5.9 s for the long-run kernel)."""
     import json
     import subprocess
     import sys
@@ -275,8 +276,9 @@ def test_warm_up_loads_the_prompt_attention_kernels_before_serving(tiny_llama: P
     code = ("import json; from apiary.cloud.engine import EngineConfig, LLMEngine; "
             "from apiary.kernels import cpu_attention as ca, ops; "
             f"e = LLMEngine(EngineConfig(model_path={str(tiny_llama)!r}, kv_cache_bytes=1 << 20)); "
+            "long = ca.long_runs_kernel(ca._cache_array(e.runner.kv_caches[0].k)); "
             "print(json.dumps([ops.decode_backend(e.runner.device, e.runner.dtype), "
-            "len(ca._varlen.signatures), len(ca._runs.signatures)]))")
+            "len(ca._varlen.signatures), len(long.signatures)]))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     backend, short_runs, long_runs = json.loads(done.stdout.splitlines()[-1])
