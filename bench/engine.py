@@ -122,9 +122,28 @@ def run_engine(engine: Any, work: list[Request], max_num_seqs: int) -> Result:
     outs = [finals[i] for i in ids]
     assert all(len(o.output_token_ids) == r.max_tokens for o, r in zip(outs, work))
     after = engine.metrics()
+    by_kind = {k: after[k] - before[k] for k in STEP_FIELDS}
     return Result("", "", wall, sum(r.max_tokens for r in work), [o.metrics.ttft for o in outs],
                   {"steps": after["steps"] - before["steps"], "preemptions": after["preemptions"] - before["preemptions"],
-                   "kv_slot_waste": after["kv_slot_waste"], "tokens": [o.output_token_ids for o in outs]}, cpu)
+                   "kv_slot_waste": after["kv_slot_waste"], "tokens": [o.output_token_ids for o in outs],
+                   "steps_by_kind": by_kind, "kv_bytes_per_token": after["kv_cache_bytes_per_token"],
+                   "weight_bytes": weight_bytes(engine)}, cpu)
+
+
+# The engine's step accounting by kind (EngineStats.record_step): prompt steps, decode-only steps
+STEP_FIELDS = ("prompt_steps", "prompt_step_seconds", "prompt_step_rows", "prompt_step_sampled", "decode_steps",
+               "decode_step_seconds", "decode_step_rows", "decode_step_sampled", "decode_step_context_tokens")
+
+
+def weight_bytes(engine: Any) -> tuple[float, float]:
+    """Bytes per parameter a decode step reads, (decoder projections, LM head), as ``engine`` holds them: int8
+    weights 1 (their scales, and an int8 engine's first and last layers in its dtype, left out), bf16 or bf16-held
+    weights 2, float32 4; a head that ranks in int8 (``int8.RefinedHead``) 1."""
+    from apiary.cloud.engine.int8 import RefinedHead
+
+    runner = engine.runner
+    body = 1.0 if runner.weights == "int8" else 2.0 if runner.weights == "bf16" else float(runner.dtype.itemsize)
+    return body, 1.0 if isinstance(runner.model.head, RefinedHead) else float(runner.dtype.itemsize)
 
 
 def hf_model_from_gguf(path: Path) -> Any:
@@ -243,7 +262,31 @@ def matmul_floors(results: dict[str, Result], engines: dict[str, Any], dtype: st
         flops = floor.workload_flops(mc, sum(len(r.prompt) for r in reqs), sum(r.max_tokens for r in reqs), len(reqs))
         out[system] = {"dtype": name, "gflops": round(rates[name], 1), "workload_gflop": round(flops / 1e9, 1),
                        "seconds": flops / 1e9 / rates[name]}
+        kinds = results[system].extra.get("steps_by_kind")
+        if kinds and kinds["prompt_step_seconds"] and kinds["decode_step_seconds"]:
+            if "stream" not in rates:
+                rates["stream"] = floor.stream_gbps(torch.get_num_threads())
+            out[system].update(step_floors(mc, kinds, rates[name], rates["stream"], results[system].extra["weight_bytes"],
+                                           results[system].extra["kv_bytes_per_token"]))
     return out
+
+
+def step_floors(mc: Any, kinds: dict[str, float], gflops: float, gbps: float, bytes_per_param: tuple[float, float],
+                kv_bytes_per_token: int) -> dict[str, Any]:
+    """The compute floor of each kind of step (``EngineStats.record_step``: prompt steps, decode-only steps) against
+    the wall time the engine spent in them, and decode steps' memory floor (``floor.decode_bytes`` at ``gbps``)."""
+    from apiary.bench import floor
+
+    prompt = floor.step_flops(mc, kinds["prompt_step_rows"], kinds["prompt_step_sampled"]) / 1e9 / gflops
+    decode = floor.step_flops(mc, kinds["decode_step_rows"], kinds["decode_step_sampled"]) / 1e9 / gflops
+    memory = floor.decode_bytes(mc, int(kinds["decode_steps"]), int(kinds["decode_step_context_tokens"]),
+                                *bytes_per_param, kv_bytes_per_token) / 1e9 / gbps
+    return {"prompt_steps": {"seconds": kinds["prompt_step_seconds"], "floor_seconds": prompt,
+                             "fraction": prompt / kinds["prompt_step_seconds"]},
+            "decode_steps": {"seconds": kinds["decode_step_seconds"], "floor_seconds": decode,
+                             "fraction": decode / kinds["decode_step_seconds"],
+                             "memory_floor_seconds": memory, "stream_gbps": round(gbps, 1),
+                             "roofline_fraction": max(decode, memory) / kinds["decode_step_seconds"]}}
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -424,17 +467,21 @@ def command(
 
     floors = matmul_floors(results, engines, dtype, work, seq_work)
     columns = ["system", "output tok", "wall s", "output tok/s", "CPU %", "x HF seq", "x llama.cpp seq",
-               "TTFT p50 s", "TTFT p99 s", "x llama-server", "peak RSS MB", "matmul floor s", "% of floor"]
+               "TTFT p50 s", "TTFT p99 s", "x llama-server", "peak RSS MB", "matmul floor s", "% of floor",
+               "prompt steps % of floor", "decode steps % of floor (roofline)"]
     rows = []
     for system, res in results.items():
         ttft = [t for t in res.ttfts if t is not None]
         floor = floors.get(system)
+        prompt, decode = (floor or {}).get("prompt_steps"), (floor or {}).get("decode_steps")
         rows.append([system, res.output_tokens, round(res.wall, 1), round(res.tok_s, 1),
                      round(100 * res.cpu_s / res.wall), ratio(system, "hf"), ratio(system, "llama-cpp"),
                      percentile(ttft, 50) if ttft else "-", percentile(ttft, 99) if ttft else "-",
                      ratio(system, "llama-server"), round(res.extra.get("peak_rss_mb", 0)) or "-",
                      round(floor["seconds"], 1) if floor else "-",
-                     f"{floor['seconds'] / res.wall:.0%}" if floor else "-"])
+                     f"{floor['seconds'] / res.wall:.0%}" if floor else "-",
+                     f"{prompt['fraction']:.0%}" if prompt else "-",
+                     f"{decode['fraction']:.0%} ({decode['roofline_fraction']:.0%})" if decode else "-"])
     reference = results.get("engine-fp32") or results.get("engine-bs1")
     agreements = {s: agreement(reference.extra["tokens"][:len(r.extra["tokens"])], r.extra["tokens"])
                   for s, r in results.items() if reference is not None and r is not reference and "tokens" in r.extra}

@@ -73,3 +73,40 @@ def matmul_gflops_fresh(mc: Any, dtype: Any, threads: int, seconds: float = 1.5)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     return float(done.stdout.strip().splitlines()[-1])
 
+
+
+def step_flops(mc: Any, rows: int, head_rows: int) -> float:
+    """Matmul FLOPs of steps that ran ``rows`` rows through the body and ``head_rows`` through the LM head."""
+    body, head = flops_per_token(mc)
+    return body * rows + head * head_rows
+
+
+def weight_params(mc: Any) -> tuple[int, int]:
+    """(body, LM head) parameters a decode step reads: every projection once per step, whatever its rows."""
+    return mc.num_layers * sum(i * o for i, o in projection_shapes(mc)), mc.vocab_size * mc.hidden_size
+
+
+def decode_bytes(mc: Any, steps: int, context_tokens: int, body_bytes: float, head_bytes: float,
+                 kv_bytes_per_token: int) -> float:
+    """What ``steps`` decode-only steps must read from memory at least: every projection's weights and the LM head's
+    once a step (``body_bytes``/``head_bytes`` per parameter, as the engine holds them), and the cached K/V of every
+    token their attention saw (``context_tokens``, summed over the steps' rows). Why: at a few rows a step a decode
+    step does too little arithmetic per weight byte to reach the matmul rate, so the bytes it streams bound it
+    first; the larger of the two floors is the step's roofline."""
+    body, head = weight_params(mc)
+    return steps * (body * body_bytes + head * head_bytes) + context_tokens * kv_bytes_per_token
+
+
+def stream_gbps(threads: int, seconds: float = 2.0) -> float:
+    """GB/s this CPU reads with ``threads`` threads: ``torch.sum`` over a 1 GiB float32 tensor (far past the caches),
+    best of the calls in ``seconds``, in a fresh interpreter (see ``matmul_gflops_fresh``)."""
+    import subprocess
+    import sys
+
+    code = ("import time, torch; from apiary.cloud.engine import threads; "
+            f"torch.set_num_threads({int(threads)}); x = torch.ones(1 << 28); x.sum(); best = 1e9; start = time.perf_counter()\n"
+            f"while time.perf_counter() - start < {float(seconds)!r}:\n"
+            "    t = time.perf_counter(); x.sum(); best = min(best, time.perf_counter() - t)\n"
+            "print(x.numel() * 4 / best / 1e9)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    return float(done.stdout.strip().splitlines()[-1])

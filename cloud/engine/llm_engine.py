@@ -197,6 +197,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule -> run -> postprocess. One output per request that produced tokens or finished."""
         outputs, self._pending = self._pending, []
+        step_started = time.perf_counter()
         batch = self.scheduler.schedule()  # with speculation: proposals and their KV slots (scheduler hooks)
         if not batch.seqs and not batch.swap_out:
             return outputs
@@ -217,7 +218,11 @@ class LLMEngine:
             # Nothing was committed: the same sequences keep their blocks and are scheduled again.
             self.stats.interrupted_steps += 1
             return outputs
+        chunk = any(n > 1 and s not in batch.spec_tokens for s, n in zip(batch.seqs, batch.num_new_tokens))
+        context = 0 if chunk else sum(s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens))
         outputs += self._postprocess(batch, sampled, logits, spec_logits, time.perf_counter() - started)
+        head_rows = sum(x.shape[0] for x in (logits, spec_logits) if x is not None)
+        self.stats.record_step(chunk, batch.num_tokens, head_rows, context, time.perf_counter() - step_started)
         return outputs
 
     def _allowed_tokens(self, rows: list[Row]) -> torch.Tensor | None:

@@ -36,6 +36,19 @@ class EngineStats:
     kv_tokens: int = 0
     kv_reserved_request: int = 0  # what reserving prompt + max_tokens contiguously would hold
     kv_reserved_max_len: int = 0  # what reserving max_model_len contiguously would hold
+    # Wall time of whole steps (schedule, model, sampling) by kind, for the fraction of the compute floor each kind
+    # reaches (``apiary bench engine``, bench/floor.py): steps that run a prompt chunk (decode rows may ride along)
+    # and decode-only steps (speculative verifications included). Rows run, rows sampled (the LM head's), and for
+    # decode-only steps the cached tokens their attention read (the KV cache's bytes per step).
+    prompt_steps: int = 0
+    prompt_step_seconds: float = 0.0
+    prompt_step_rows: int = 0
+    prompt_step_sampled: int = 0
+    decode_steps: int = 0
+    decode_step_seconds: float = 0.0
+    decode_step_rows: int = 0
+    decode_step_sampled: int = 0
+    decode_step_context_tokens: int = 0
     ttft: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     tpot: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     queue_time: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
@@ -60,6 +73,19 @@ class EngineStats:
             if m.first_token_time is not None and seq.num_output_tokens > 1:
                 self.tpot.append((m.finish_time - m.first_token_time) / (seq.num_output_tokens - 1))
 
+    def record_step(self, prompt: bool, rows: int, sampled: int, context_tokens: int, seconds: float) -> None:
+        if prompt:
+            self.prompt_steps += 1
+            self.prompt_step_seconds += seconds
+            self.prompt_step_rows += rows
+            self.prompt_step_sampled += sampled
+        else:
+            self.decode_steps += 1
+            self.decode_step_seconds += seconds
+            self.decode_step_rows += rows
+            self.decode_step_sampled += sampled
+            self.decode_step_context_tokens += context_tokens
+
     def record_kv(self, running: list[Sequence], used_blocks: int, block_size: int, max_model_len: int) -> None:
         self.kv_slots_allocated += used_blocks * block_size
         for seq in running:
@@ -83,6 +109,11 @@ class EngineStats:
             else 1 - self.kv_tokens / self.kv_reserved_request,
             "kv_waste_contiguous_max_len": None if not self.kv_reserved_max_len
             else 1 - self.kv_tokens / self.kv_reserved_max_len,
+            "prompt_steps": self.prompt_steps, "prompt_step_seconds": self.prompt_step_seconds,
+            "prompt_step_rows": self.prompt_step_rows, "prompt_step_sampled": self.prompt_step_sampled,
+            "decode_steps": self.decode_steps, "decode_step_seconds": self.decode_step_seconds,
+            "decode_step_rows": self.decode_step_rows, "decode_step_sampled": self.decode_step_sampled,
+            "decode_step_context_tokens": self.decode_step_context_tokens,
             **_summary("ttft", self.ttft), **_summary("tpot", self.tpot),
             **_summary("queue_time", self.queue_time), **_summary("e2e", self.e2e),
         }

@@ -71,9 +71,17 @@ def test_a_tiny_run_with_background_reports_contention_cpu_use_and_features(tmp_
     assert "weights held in bf16" in record["systems"]["engine-bf16w"]
     assert record["matmul_floor"]["engine-bf16w"]["dtype"] == "float32"
     floor = record["matmul_floor"]["engine"]  # bench.floor: its projection FLOPs at this CPU's float32 rate
-    assert record["columns"][-2:] == ["matmul floor s", "% of floor"]
+    assert record["columns"][-4:] == ["matmul floor s", "% of floor", "prompt steps % of floor",
+                                      "decode steps % of floor (roofline)"]
     assert floor["dtype"] == "float32" and floor["gflops"] > 0 and floor["seconds"] > 0
-    assert record["rows"][0][-2] == round(floor["seconds"], 1) and record["rows"][0][-1].endswith("%")
+    assert record["rows"][0][-4] == round(floor["seconds"], 1) and record["rows"][0][-3].endswith("%")
+    # each kind of step against its own floor: the engine's step accounting (EngineStats.record_step)
+    prompt, decode = floor["prompt_steps"], floor["decode_steps"]
+    assert 0 < prompt["floor_seconds"] < prompt["seconds"] and 0 < decode["floor_seconds"] < decode["seconds"]
+    assert decode["stream_gbps"] > 0 and 0 < decode["memory_floor_seconds"] < decode["seconds"]
+    assert decode["roofline_fraction"] == max(decode["floor_seconds"], decode["memory_floor_seconds"]) / decode["seconds"]
+    assert record["rows"][0][-2] == f"{prompt['fraction']:.0%}"
+    assert record["rows"][0][-1] == f"{decode['fraction']:.0%} ({decode['roofline_fraction']:.0%})"
 
 
 def test_int8_systems_are_skipped_with_the_reason_where_the_cpu_has_no_fast_int8_gemm(

@@ -231,6 +231,24 @@ def test_metrics_report_the_engine_state(tiny_llama: Path) -> None:
     assert 0 <= m["kv_slot_waste"] < m["kv_waste_contiguous_request"] < m["kv_waste_contiguous_max_len"] < 1
 
 
+def test_metrics_split_steps_into_prompt_and_decode_steps(tiny_llama: Path) -> None:
+    """Each step's wall time goes to its kind (``apiary bench engine``'s floor per kind): steps that run a prompt
+    chunk and decode-only steps, with the rows each ran, the rows the LM head saw and, for decode steps, the cached
+    tokens their attention read."""
+    engine = engine_for(tiny_llama, max_num_batched_tokens=1024)
+    texts = prompts(3, seed=4)
+    lengths = [len(engine.tokenizer.encode(t)) for t in texts]
+    engine.generate(texts, SamplingParams(max_tokens=5, ignore_eos=True))  # all three prompts in the first step
+    m = engine.metrics()
+    assert m["prompt_steps"] == 1 and m["decode_steps"] == 4 and m["steps"] == 5
+    assert m["prompt_step_rows"] == sum(lengths) and m["prompt_step_sampled"] == 3
+    assert m["decode_step_rows"] == m["decode_step_sampled"] == 12
+    # decode step k (1-4) of a prompt of n tokens attends over n + k positions, its new token's included
+    assert m["decode_step_context_tokens"] == sum(n + k for n in lengths for k in range(1, 5))
+    assert m["prompt_step_seconds"] > 0 and m["decode_step_seconds"] > 0
+    assert m["prompt_step_rows"] + m["decode_step_rows"] == m["computed_tokens"]
+
+
 def test_an_announced_urgent_arrival_interrupts_a_less_urgent_step(tiny_llama: Path) -> None:
     """A step cut short for an urgent newcomer commits nothing: the interrupted work runs again
     later and every greedy token is the same as in an uninterrupted run."""
