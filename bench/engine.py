@@ -262,31 +262,40 @@ def matmul_floors(results: dict[str, Result], engines: dict[str, Any], dtype: st
         flops = floor.workload_flops(mc, sum(len(r.prompt) for r in reqs), sum(r.max_tokens for r in reqs), len(reqs))
         out[system] = {"dtype": name, "gflops": round(rates[name], 1), "workload_gflop": round(flops / 1e9, 1),
                        "seconds": flops / 1e9 / rates[name]}
-        kinds = results[system].extra.get("steps_by_kind")
+        extra = results[system].extra
+        kinds = extra.get("steps_by_kind")
         if kinds and kinds["prompt_step_seconds"] and kinds["decode_step_seconds"]:
             if "stream" not in rates:
                 rates["stream"] = floor.stream_gbps(torch.get_num_threads())
-            out[system].update(step_floors(mc, kinds, rates[name], rates["stream"], results[system].extra["weight_bytes"],
-                                           results[system].extra["kv_bytes_per_token"]))
+            held = extra.get("weight_bytes") or (weight_bytes(engines[dtype]) if system in SERVED_AS_DEFAULT else None)
+            out[system].update(step_floors(mc, kinds, rates[name], rates["stream"], held, extra["kv_bytes_per_token"]))
     return out
 
 
-def step_floors(mc: Any, kinds: dict[str, float], gflops: float, gbps: float, bytes_per_param: tuple[float, float],
-                kv_bytes_per_token: int) -> dict[str, Any]:
+# HTTP systems whose server holds its weights as this process's default engine does (their decode roofline needs
+# the bytes per parameter; the int8 and bf16-weight servers' are left out: their decode column shows no roofline)
+SERVED_AS_DEFAULT = ("cloud-http", "cloud-http-kv8", "cloud-http-ngram")
+
+
+def step_floors(mc: Any, kinds: dict[str, float], gflops: float, gbps: float,
+                bytes_per_param: tuple[float, float] | None, kv_bytes_per_token: int) -> dict[str, Any]:
     """The compute floor of each kind of step (``EngineStats.record_step``: prompt steps, decode-only steps) against
-    the wall time the engine spent in them, and decode steps' memory floor (``floor.decode_bytes`` at ``gbps``)."""
+    the wall time the engine spent in them, and, where the weights' bytes per parameter are known, decode steps'
+    memory floor (``floor.decode_bytes`` at ``gbps``)."""
     from apiary.bench import floor
 
     prompt = floor.step_flops(mc, kinds["prompt_step_rows"], kinds["prompt_step_sampled"]) / 1e9 / gflops
     decode = floor.step_flops(mc, kinds["decode_step_rows"], kinds["decode_step_sampled"]) / 1e9 / gflops
-    memory = floor.decode_bytes(mc, int(kinds["decode_steps"]), int(kinds["decode_step_context_tokens"]),
-                                *bytes_per_param, kv_bytes_per_token) / 1e9 / gbps
+    decode_steps: dict[str, Any] = {"seconds": kinds["decode_step_seconds"], "floor_seconds": decode,
+                                    "fraction": decode / kinds["decode_step_seconds"]}
+    if bytes_per_param is not None:
+        memory = floor.decode_bytes(mc, int(kinds["decode_steps"]), int(kinds["decode_step_context_tokens"]),
+                                    *bytes_per_param, kv_bytes_per_token) / 1e9 / gbps
+        decode_steps.update({"memory_floor_seconds": memory, "stream_gbps": round(gbps, 1),
+                             "roofline_fraction": max(decode, memory) / kinds["decode_step_seconds"]})
     return {"prompt_steps": {"seconds": kinds["prompt_step_seconds"], "floor_seconds": prompt,
                              "fraction": prompt / kinds["prompt_step_seconds"]},
-            "decode_steps": {"seconds": kinds["decode_step_seconds"], "floor_seconds": decode,
-                             "fraction": decode / kinds["decode_step_seconds"],
-                             "memory_floor_seconds": memory, "stream_gbps": round(gbps, 1),
-                             "roofline_fraction": max(decode, memory) / kinds["decode_step_seconds"]}}
+            "decode_steps": decode_steps}
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -481,7 +490,8 @@ def command(
                      round(floor["seconds"], 1) if floor else "-",
                      f"{floor['seconds'] / res.wall:.0%}" if floor else "-",
                      f"{prompt['fraction']:.0%}" if prompt else "-",
-                     f"{decode['fraction']:.0%} ({decode['roofline_fraction']:.0%})" if decode else "-"])
+                     "-" if not decode else f"{decode['fraction']:.0%}" + (
+                         f" ({decode['roofline_fraction']:.0%})" if "roofline_fraction" in decode else "")])
     reference = results.get("engine-fp32") or results.get("engine-bs1")
     agreements = {s: agreement(reference.extra["tokens"][:len(r.extra["tokens"])], r.extra["tokens"])
                   for s, r in results.items() if reference is not None and r is not reference and "tokens" in r.extra}

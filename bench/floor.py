@@ -74,7 +74,6 @@ def matmul_gflops_fresh(mc: Any, dtype: Any, threads: int, seconds: float = 1.5)
     return float(done.stdout.strip().splitlines()[-1])
 
 
-
 def step_flops(mc: Any, rows: int, head_rows: int) -> float:
     """Matmul FLOPs of steps that ran ``rows`` rows through the body and ``head_rows`` through the LM head."""
     body, head = flops_per_token(mc)

@@ -271,6 +271,22 @@ def run_server_system(system: str, model: Path, work: Sequence[Any], *, threads:
         raise ValueError(f"not an HTTP system: {system}")
     with server as s:
         warmup = warmup_ttfts(s, probe_prompts(work))
+        before = engine_steps(s) if system in CLOUD_OPTIONS else None
         run = run_http(s, work, clients)
-    return Result(system, detail, run.wall, sum(run.output_tokens), run.ttfts,
-                  {"peak_rss_mb": run.peak_rss_mb, "warmup_ttfts": warmup}, run.cpu_s)
+        after = engine_steps(s) if before is not None else None
+    extra: dict[str, Any] = {"peak_rss_mb": run.peak_rss_mb, "warmup_ttfts": warmup}
+    if before and after:  # our server's steps by kind during the run, for the floor per kind (bench.engine.step_floors)
+        from apiary.bench.engine import STEP_FIELDS
+
+        extra["steps_by_kind"] = {k: after[k] - before[k] for k in STEP_FIELDS}
+        extra["kv_bytes_per_token"] = after["kv_cache_bytes_per_token"]
+    return Result(system, detail, run.wall, sum(run.output_tokens), run.ttfts, extra, run.cpu_s)
+
+
+def engine_steps(server: Server) -> dict[str, Any] | None:
+    """Our server's engine counters (``GET /healthz``'s ``engine``: ``LLMEngine.metrics()``' numbers), None where it
+    does not report the steps by kind."""
+    from apiary.bench.engine import STEP_FIELDS
+
+    engine = httpx.get(server.url.removesuffix("/v1") + "/healthz", timeout=30).json().get("engine", {})
+    return engine if all(k in engine for k in (*STEP_FIELDS, "kv_cache_bytes_per_token")) else None

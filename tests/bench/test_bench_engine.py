@@ -133,6 +133,12 @@ def test_http_systems_serve_the_same_requests_and_report_ratio_rss_and_warm_up(t
         (probes,) = record["http"][system]["warmup_ttfts_per_round"]
         assert len(probes) == WARMUP_PROBES and all(t > 0 for t in probes)
         assert f"{system} warm-up: first request's TTFT" in result.output
+    # our servers' steps by kind (GET /healthz before and after the run) against their floors; llama.cpp's have none
+    for system in ("cloud-http", "cloud-http-ngram"):
+        kinds = record["matmul_floor"][system]
+        assert 0 < kinds["prompt_steps"]["floor_seconds"] < kinds["prompt_steps"]["seconds"]
+        assert 0 < kinds["decode_steps"]["roofline_fraction"] <= 1 and rows[system]["prompt steps % of floor"].endswith("%")
+    assert all(rows[s]["prompt steps % of floor"] == "-" for s in rows if s.startswith("llama-server"))
     # both servers once more with n-gram speculation, llama.cpp's at our proposer's lookup and draft lengths
     assert "--speculative ngram" in record["systems"]["cloud-http-ngram"]
     if "llama-server" in rows:
