@@ -177,6 +177,13 @@ _lane_dots_tokens = _lane_dots_of(DOT_TOKENS)
 _lane_dots = _lane_dots_of(1)  # the keys left over
 
 
+def _store_vectors(builder, data, at, vectors):  # type: ignore[no-untyped-def]
+    """Store ``LANES``-lane float32 ``vectors`` one after another from ``data[at]`` (an array's element pointer)."""
+    target = builder.bitcast(builder.gep(data, [at]), ir.VectorType(ir.FloatType(), LANES).as_pointer())
+    for e, vector in enumerate(vectors):
+        builder.store(vector, builder.gep(target, [ir.Constant(ir.IntType(64), e)]), align=4)
+
+
 @intrinsic
 def _lane_sums(typingctx, out, out_at, p, p_at, p_stride, v, v_at, v_stride, n):  # type: ignore[no-untyped-def]
     """``out.flat[out_at + 16 e : … + 16] = sum_t p.flat[p_at + t * p_stride : … + 16] * v.flat[v_at + t * v_stride
@@ -202,9 +209,7 @@ def _lane_sums(typingctx, out, out_at, p, p_at, p_stride, v, v_at, v_stride, n):
                                                  flags=("fast",)), flags=("fast",))
                   for e, acc in enumerate(accs)]
         results = _close_loop(builder, t, 1, count, accs, totals, entry, loop, done)
-        out = builder.bitcast(builder.gep(_data(context, builder, sig.args[0], out_arr), [out_at]), vec.as_pointer())
-        for e, result in enumerate(results):
-            builder.store(result, builder.gep(out, [ir.Constant(i64, e)]), align=4)
+        _store_vectors(builder, _data(context, builder, sig.args[0], out_arr), out_at, results)
         return context.get_dummy_value()
 
     return signature, codegen

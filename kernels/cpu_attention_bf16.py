@@ -28,7 +28,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from apiary.kernels.cpu_attention import (LANES, _as_f32, _bf16_dot, _close_loop, _data, _exp, _lane_max, _mask_run,
-                                          _open_loop, _run_item, _run_layout, _splat)
+                                          _open_loop, _run_item, _run_layout, _splat, _store_vectors)
 from apiary.kernels.cpu_bf16_gemm import available
 from apiary.kernels.cpu_int8_gemm import _splat_word
 from apiary.kernels.cpu_layers import _f32_as_bf16_bits
@@ -123,9 +123,7 @@ def _pair_sums(typingctx, out, out_at, pp, value, v_at, pair_stride, pairs):  # 
             word = builder.load(builder.gep(row, [ir.Constant(i64, e)]), align=4)
             totals.append(builder.call(dot, [acc, pv, builder.bitcast(_splat_word(builder, word, LANES), bfx)]))
         results = _close_loop(builder, i, 1, count, accs, totals, entry, loop, done)
-        target = builder.bitcast(builder.gep(_data(context, builder, sig.args[0], out_arr), [out_at]), f32x.as_pointer())
-        for e, result in enumerate(results):
-            builder.store(result, builder.gep(target, [ir.Constant(i64, e)]), align=4)
+        _store_vectors(builder, _data(context, builder, sig.args[0], out_arr), out_at, results)
         return context.get_dummy_value()
 
     return signature, codegen

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not bf16.available(), reason="numba does not com
 
 
 def _long_runs(kernel, case, window=None):  # type: ignore[no-untyped-def]
-    """``kernel`` over the case's runs longer than ``SHORT_QUERIES``; the rows it wrote, and theirs indices."""
+    """``kernel`` over the case's runs longer than ``SHORT_QUERIES``; the output, and the indices of the rows it wrote."""
     out = np.zeros(tuple(case.q.shape), np.float32)
     cu = case.cu_seqlens_q.to(torch.int32).contiguous()
     seqs = torch.nonzero((cu[1:] - cu[:-1]) > cpu_attention.SHORT_QUERIES).flatten().to(torch.int32)
