@@ -124,11 +124,23 @@ def real_bf16_engine(gguf_path: Path) -> LLMEngine:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_real_model_bfloat16_tracks_float32(real_engine: LLMEngine, real_bf16_engine: LLMEngine) -> None:
+def test_real_model_bfloat16_tracks_float32(real_engine: LLMEngine, real_bf16_engine: LLMEngine,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The benchmarks' serving dtype: bf16 (our vdpbf16ps kernel where numba compiles it, oneDNN-prepacked
     weights on other CPUs with native bf16, plain F.linear elsewhere) picks the fp32 engine's next token almost
-    everywhere, the differences being near-ties, in one pass and in chunks."""
+    everywhere, the differences being near-ties, in one pass and in chunks. Where ``vdpbf16ps`` compiles, the
+    whole prompt's attention came from the bf16-pair kernel (``kernels/cpu_attention_bf16.py``)."""
+    from apiary.kernels import cpu_attention, cpu_attention_bf16
+
     bf16 = real_bf16_engine
+    pair_kernel_calls: list[int] = []
+    real_runs = cpu_attention_bf16.runs
+
+    def spy(*args):  # type: ignore[no-untyped-def]
+        pair_kernel_calls.append(len(args[9]))
+        return real_runs(*args)
+
+    monkeypatch.setattr(cpu_attention_bf16, "runs", spy)
     # The path this host takes is the one tested (AVX2 hosts: the F.linear fallback).
     native = cpu.native_bf16(cpu.host_flags()) is not None
     kernel = bf16_kernel_runs()
@@ -141,6 +153,7 @@ def test_real_model_bfloat16_tracks_float32(real_engine: LLMEngine, real_bf16_en
     ids = real_engine.tokenizer.encode(PROMPT)
     _, reference = prompt_logits(real_engine, ids, use_prefix_cache=False)
     _, whole = prompt_logits(bf16, ids, use_prefix_cache=False)
+    assert len(pair_kernel_calls) == (bf16.runner.model.config.num_layers if cpu_attention.bf16_dots() else 0)
     _, chunked = prompt_logits(bf16, ids, chunk=16, use_prefix_cache=False)
     for ours in (whole, chunked):
         agree = (ours.argmax(-1) == reference.argmax(-1)).float().mean().item()
