@@ -35,6 +35,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from apiary.kernels import huge_pages
 from apiary.kernels.cpu_attention import _as_f32, _close_loop, _data, _open_loop, follow_torch_threads
 from apiary.kernels.cpu_int8_gemm import (GROUP, TILE, _numba_target_features, _prefetch_group, _silu, _splat_word,
                                           _store_rows)
@@ -82,11 +83,11 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedBF16:
     n, padded = -(-rows // TILE) * TILE, -(-k // CHUNK) * CHUNK
     w = torch.zeros(n, padded, dtype=torch.bfloat16)
     w[:rows, :k] = weight.to(torch.bfloat16)
-    packed = w.view(torch.int16).view(n // TILE, TILE, padded // 2, 2).permute(0, 2, 1, 3).contiguous()
+    packed = huge_pages.copy(w.view(torch.int16).view(n // TILE, TILE, padded // 2, 2).permute(0, 2, 1, 3))
     b = torch.zeros(n, dtype=torch.float32)
     if bias is not None:
         b[:rows] = bias.to(torch.bfloat16).float()  # F.linear adds the bias in the weight's dtype
-    return PackedBF16(packed.numpy(), b.numpy(), rows, k)
+    return PackedBF16(packed, b.numpy(), rows, k)
 
 
 def linear(x: torch.Tensor, weight: PackedBF16, gated: bool = False) -> torch.Tensor:

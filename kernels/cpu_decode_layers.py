@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from apiary.kernels import cpu_attention, cpu_bf16_gemm, cpu_bf16w_gemm, cpu_int8_gemm
+from apiary.kernels import cpu_attention, cpu_bf16_gemm, cpu_bf16w_gemm, cpu_int8_gemm, huge_pages
 from apiary.kernels.cpu_attention import _NO_SCALES, _as_f32
 from apiary.kernels.cpu_bf16_gemm import CHUNK, PackedBF16
 from apiary.kernels.cpu_bf16w_gemm import HeldBF16
@@ -127,7 +127,7 @@ def stack(first: int, layers: list[dict[str, StackWeight]], input_norms: list[to
         shapes = {(w.packed.shape, e.shape, w.in_features) for w, e in zip(weights, extra)}
         if len(shapes) != 1:
             raise KernelError(f"cpu_decode_layers.stack: the layers' {name} weights differ: {sorted(shapes)}")
-        packed.append(np.stack([w.packed for w in weights]))
+        packed.append(huge_pages.stacked([w.packed for w in weights]))
         extras.append(np.stack(extra))
         in_features.append(weights[0].in_features)
     hidden = in_features[0]

@@ -48,6 +48,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from apiary.kernels import huge_pages
 from apiary.kernels.cpu_attention import _as_f32, _close_loop, _data, _exp, _open_loop, _splat, follow_torch_threads
 from apiary.kernels.errors import KernelError
 
@@ -132,9 +133,9 @@ def quantize_weight(weight: torch.Tensor) -> GroupedWeight:
     grouped = w.view(n, padded // GROUP, GROUP)
     scale = grouped.abs().amax(dim=2).clamp(min=MIN_ABSMAX) / 127
     q = torch.round(grouped / scale[:, :, None]).clamp(-127, 127).to(torch.int16) + WEIGHT_ZERO_POINT
-    packed = q.to(torch.uint8).view(n // TILE, TILE, padded // 4, 4).permute(0, 2, 1, 3).contiguous()
+    packed = huge_pages.copy(q.to(torch.uint8).view(n // TILE, TILE, padded // 4, 4).permute(0, 2, 1, 3))
     scales = scale.view(n // TILE, TILE, -1).permute(0, 2, 1).contiguous()
-    return GroupedWeight(packed.numpy(), scales.numpy(), rows, k)
+    return GroupedWeight(packed, scales.numpy(), rows, k)
 
 
 def quantize_activations(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:

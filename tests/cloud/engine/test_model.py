@@ -11,7 +11,7 @@ import torch
 
 from apiary.cloud.engine import EngineConfig, LLMEngine, SamplingParams, int8
 from apiary.cloud.engine.errors import EngineError
-from apiary.kernels import cpu, ops
+from apiary.kernels import cpu, huge_pages, ops
 from tests.cloud.engine.conftest import attention_calls, decodes_through_the_run, prompt_logits
 from tests.cloud.engine.tiny import make_checkpoint
 
@@ -233,6 +233,10 @@ def test_real_model_bfloat16_decodes_its_layers_in_one_call(real_bf16_engine: LL
     engine.reset_prefix_cache()
     stack = engine.runner.model.layer_stack
     assert stack is not None and (stack.first, stack.count, stack.gemm) == (0, 30, "bf16")
+    if huge_pages.thp_mode() in ("always", "madvise"):  # what every decode step streams sits in 2 MiB pages
+        assert all(huge_pages.eligible(packed) for packed in stack.packed)
+        head = engine.runner.model.head
+        assert not isinstance(head, int8.RefinedHead) or huge_pages.eligible(head.approx.weight.packed)
     fused, layered, calls = decodes_through_the_run(engine, [PROMPT, "Queen present", "Hive 3 lost weight"], 24,
                                                     monkeypatch)
     assert calls >= 20
