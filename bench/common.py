@@ -28,24 +28,27 @@ def percentile(values: Iterable[float], q: float) -> float:
 def machine_info() -> dict[str, Any]:
     import os
 
-    from apiary.kernels import cpu, numba_threads
+    from apiary.kernels import cpu, huge_pages, numba_threads
 
     flags = cpu.host_flags()
     return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
             "cpu_model": cpu.host_model_name(), "cpu_features": cpu.relevant(flags),
             "bf16": f"native ({cpu.native_bf16(flags)})" if cpu.native_bf16(flags) else "emulated",
-            "numba_pool": numba_threads.describe(), "load_average": [round(x, 2) for x in os.getloadavg()],
+            "numba_pool": numba_threads.describe(), "huge_pages": huge_pages.thp_mode(), "load_average": [round(x, 2) for x in os.getloadavg()],
             "cpu_hidden": os.environ.get(cpu.HIDE_ENV, "")}
 
 
 def machine_line(info: dict[str, Any]) -> str:
-    """The line printed under every table: CPU model, features, bf16, CPUs, numba's pool and load average."""
+    """The line printed under every table: CPU model, features, bf16, CPUs, numba's pool, the kernel's transparent
+    huge page mode (the streamed weights and the KV pool ask for 2 MiB pages: ``kernels.huge_pages``) and load
+    average."""
     load = "/".join(f"{x:.2f}" for x in info["load_average"])
     pool = info.get("numba_pool", "unknown").split(" (")[0]
     hidden = f" (hiding {info['cpu_hidden']}: a rehearsal)" if info.get("cpu_hidden") else ""
     return (f"CPU: {info['cpu_model']}, {info['cpus']} CPUs; features: {' '.join(info['cpu_features']) or 'none found'}"
             f"{hidden}; "
-            f"bf16 {info['bf16']}; numba kernels on {pool}; load average {load}")
+            f"bf16 {info['bf16']}; numba kernels on {pool}; transparent huge pages {info.get('huge_pages', 'unknown')}; "
+            f"load average {load}")
 
 
 def report(name: str, title: str, columns: list[str], rows: list[list[Any]], extra: dict[str, Any] | None = None,

@@ -21,7 +21,7 @@ from apiary.cloud.engine.errors import EngineError, StepInterrupted
 from apiary.cloud.engine.int8 import GroupedInt8Linear, Int8Linear, RefinedHead
 from apiary.cloud.engine.kv_cache import LayerKV
 from apiary.cloud.engine.linear import Linear
-from apiary.kernels import ops
+from apiary.kernels import huge_pages, ops
 
 if TYPE_CHECKING:
     from apiary.kernels.cpu_decode_layers import LayerStack, StackWeight
@@ -226,8 +226,10 @@ class LlamaModel:
                 held = lin.takes != lin.weight.dtype  # float32 rows through bf16-held weights
                 bind = ops.bind_held_bf16 if held else ops.bind_packed_bf16
                 setattr(layer, name, Linear(lin.weight, lin.bias, None, bind(view), lin.takes))  # type: ignore[arg-type]
+        in_huge_pages = all(huge_pages.eligible(packed) for packed in self.layer_stack.packed)
         return (f"decode steps run layers {first}-{first + count - 1} in one compiled call "
-                f"({self.layer_stack.gemm} GEMM)")
+                f"({self.layer_stack.gemm} GEMM; weights in "
+                f"{'2 MiB' if in_huge_pages else '4 KiB'} pages, transparent huge pages {huge_pages.thp_mode()})")
 
     def _attention(self, q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata,
                    step: CpuStep | None = None) -> torch.Tensor:

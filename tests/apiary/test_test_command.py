@@ -43,4 +43,4 @@ def test_the_avx2_rehearsal_holds_every_cpu_choice_to_avx2() -> None:
     assert not any(f.startswith(("avx512", "amx")) for f in seen["flags"])
     assert seen["aten"] in ("AVX2", "DEFAULT") and seen["onednn"] == "AVX2"
     assert seen["bf16_gemm"] is False and "avx512_vnni" not in seen["int8"]
-    assert "a rehearsal" in seen["line"]
+    assert "a rehearsal" in seen["line"] and "transparent huge pages " in seen["line"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -200,17 +201,23 @@ def bf16_kernel_runs() -> bool:
             and importlib.import_module("apiary.kernels.cpu_bf16_gemm").available())
 
 
-def test_bf16_decode_steps_run_the_layers_in_one_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bf16_decode_steps_run_the_layers_in_one_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
     """A bf16 engine whose projections take our bf16 kernel stacks all its layers (their weights then views of
     the stack), and decode steps take them in one compiled call with the per-layer path's tokens and logprobs
-    exactly; elsewhere (AVX2, emulated bf16) nothing is stacked and the log says why."""
+    exactly; elsewhere (AVX2, emulated bf16) nothing is stacked and the log says why. The log names the pages the
+    stacked weights sit in (these tiny ones are under 2 MiB: 4 KiB pages)."""
     folder = make_checkpoint(tmp_path / "four", "llama", layers=4, hidden=128, heads=4, kv_heads=2, intermediate=256)
-    engine = LLMEngine(EngineConfig(model_path=folder, dtype="bfloat16", kv_cache_bytes=4 << 20, block_size=8))
+    with caplog.at_level(logging.INFO, logger="apiary.cloud.engine.model_runner"):
+        engine = LLMEngine(EngineConfig(model_path=folder, dtype="bfloat16", kv_cache_bytes=4 << 20, block_size=8))
     stack = engine.runner.model.layer_stack
     if not bf16_kernel_runs():
         assert stack is None
+        assert "no run of layers in one call" in caplog.text
         return
     assert stack is not None and (stack.first, stack.count, stack.gemm) == (0, 4, "bf16")
+    assert (f"decode steps run layers 0-3 in one compiled call (bf16 GEMM; weights in 4 KiB pages, transparent huge "
+            f"pages {huge_pages.thp_mode()})") in caplog.text
     for i, layer in enumerate(engine.runner.model.layers):
         assert all(np.shares_memory(getattr(layer, name).kernel.weight.packed, stack.packed[j][i])
                    for j, name in enumerate(("qkv", "o_proj", "gate_up", "down")))
