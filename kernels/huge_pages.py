@@ -47,12 +47,18 @@ def empty(shape: int | tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
     if nbytes < HUGE_PAGE or not _advisable():
         return np.empty(dims, dtype)
     span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    memory = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        memory = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:  # no mapping to be had (a map-count or address-space limit): the heap may still serve it
+        return np.empty(dims, dtype)
     anchor = ctypes.c_char.from_buffer(memory)
     base = ctypes.addressof(anchor)
     del anchor  # the export would keep the mapping from ever closing
     offset = -base % HUGE_PAGE
-    memory.madvise(mmap.MADV_HUGEPAGE, offset, span)
+    try:
+        memory.madvise(mmap.MADV_HUGEPAGE, offset, span)
+    except OSError:  # a kernel or container that refuses the advice: 4 KiB pages, the same bytes
+        pass
     return np.frombuffer(memory, np.uint8, nbytes, offset).view(dtype).reshape(dims)
 
 

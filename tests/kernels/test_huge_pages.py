@@ -46,6 +46,29 @@ def test_small_arrays_and_hosts_without_huge_pages_get_plain_numpy(monkeypatch: 
     assert large.base is None and large.shape == (4 << 20,)
 
 
+def test_a_refused_mapping_or_advice_still_gives_a_usable_array(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``mmap`` failing (a map-count limit) falls back to the heap; ``madvise`` refused keeps the mapping."""
+    if not huge_pages._advisable():
+        pytest.skip("no huge-page path here to refuse")
+
+    def no_mapping(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise OSError(12, "Cannot allocate memory")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(huge_pages.mmap, "mmap", no_mapping)
+        heap = huge_pages.empty((3 << 20,), np.uint8)
+    assert heap.base is None and heap.shape == (3 << 20,)
+
+    class Refusing(huge_pages.mmap.mmap):  # type: ignore[misc, name-defined]
+        def madvise(self, *args):  # type: ignore[no-untyped-def]
+            raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(huge_pages.mmap, "mmap", Refusing)
+    mapped = huge_pages.empty((3 << 20,), np.uint8)
+    mapped[...] = 3
+    assert _address(mapped) % huge_pages.HUGE_PAGE == 0 and (mapped == 3).all()
+
+
 def test_copy_gives_a_strided_tensors_values_in_c_order() -> None:
     g = torch.Generator().manual_seed(0)
     tensor = torch.randint(-2000, 2000, (48, 32, 1024), generator=g, dtype=torch.int16)
