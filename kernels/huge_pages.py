@@ -39,27 +39,47 @@ def _advisable() -> bool:
                                                                                                     "madvise")
 
 
-def empty(shape: int | tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
-    """An uninitialised C-contiguous array whose memory asks for 2 MiB pages (see the module's docstring)."""
-    dtype = np.dtype(dtype)
-    dims = (shape,) if isinstance(shape, int) else tuple(shape)
-    nbytes = int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
-    if nbytes < HUGE_PAGE or not _advisable():
-        return np.empty(dims, dtype)
+def _mapped(dims: tuple[int, ...], dtype: np.dtype, nbytes: int, advise: bool) -> np.ndarray | None:
+    """An array over a fresh private anonymous mapping, 2 MiB-aligned (``advise``: with ``MADV_HUGEPAGE``): the
+    kernel's zero pages until written. None where no mapping is to be had (a map-count or address-space limit)."""
     span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
     try:
         memory = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    except OSError:  # no mapping to be had (a map-count or address-space limit): the heap may still serve it
-        return np.empty(dims, dtype)
+    except OSError:
+        return None
     anchor = ctypes.c_char.from_buffer(memory)
     base = ctypes.addressof(anchor)
     del anchor  # the export would keep the mapping from ever closing
     offset = -base % HUGE_PAGE
-    try:
-        memory.madvise(mmap.MADV_HUGEPAGE, offset, span)
-    except OSError:  # a kernel or container that refuses the advice: 4 KiB pages, the same bytes
-        pass
+    if advise:
+        try:
+            memory.madvise(mmap.MADV_HUGEPAGE, offset, span)
+        except OSError:  # a kernel or container that refuses the advice: 4 KiB pages, the same bytes
+            pass
     return np.frombuffer(memory, np.uint8, nbytes, offset).view(dtype).reshape(dims)
+
+
+def _size(shape: int | tuple[int, ...], dtype: np.dtype | type) -> tuple[tuple[int, ...], np.dtype, int]:
+    dtype = np.dtype(dtype)
+    dims = (shape,) if isinstance(shape, int) else tuple(shape)
+    return dims, dtype, int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
+
+
+def empty(shape: int | tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
+    """An uninitialised C-contiguous array whose memory asks for 2 MiB pages (see the module's docstring)."""
+    dims, dtype, nbytes = _size(shape, dtype)
+    mapped = _mapped(dims, dtype, nbytes, advise=True) if nbytes >= HUGE_PAGE and _advisable() else None
+    return np.empty(dims, dtype) if mapped is None else mapped
+
+
+def zeros(shape: int | tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
+    """A zeroed C-contiguous array, on 2 MiB pages where ``empty`` would be, whose pages the process takes only as
+    they are first written: a fresh mapping reads as zeros without touching it, where ``np.zeros`` of a
+    reused heap writes every byte (the KV pool: a GiB resident from the start, mostly never used)."""
+    dims, dtype, nbytes = _size(shape, dtype)
+    linux = sys.platform.startswith("linux")
+    mapped = _mapped(dims, dtype, nbytes, advise=_advisable()) if nbytes >= HUGE_PAGE and linux else None
+    return np.zeros(dims, dtype) if mapped is None else mapped
 
 
 def copy(tensor: torch.Tensor) -> np.ndarray:

@@ -9,7 +9,8 @@ import pytest
 
 import torch
 
-from apiary.cloud.engine.host_memory import HUGE_PAGE, advise_huge_pages, keep_freed_memory, zeros
+from apiary.cloud.engine.host_memory import keep_freed_memory, zeros
+from apiary.kernels.huge_pages import HUGE_PAGE
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
@@ -64,11 +65,25 @@ def _mapping_of(address: int) -> dict[str, str]:
 
 @pytest.mark.skipif(not GLIBC or _thp_mode() in ("never", "absent"), reason="no transparent huge pages here")
 def test_kv_pool_memory_is_eligible_for_huge_pages() -> None:
-    if not advise_huge_pages(torch.empty(8 << 20, dtype=torch.uint8)):
-        pytest.skip("this kernel or container refuses MADV_HUGEPAGE")
-    # ~100 MiB: above the heap threshold, so this is a fresh mapping (never one advised by an earlier pool)
+    # ~100 MiB: a fresh mapping of its own (never one advised by an earlier pool)
     shape = (8, 2, 1024, 16, 3, 64)
     pool = zeros(shape, torch.bfloat16, torch.device("cpu"))
-    assert pool.shape == shape and not pool.any()
+    assert pool.shape == shape and pool.dtype == torch.bfloat16 and pool.is_contiguous()
     inner = -(-pool.data_ptr() // HUGE_PAGE) * HUGE_PAGE  # the first whole 2 MiB page inside the tensor
     assert _mapping_of(inner).get("THPeligible") == "1"
+    assert not pool.any()
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="/proc/self/smaps is Linux's")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8])
+def test_a_pool_reads_as_zeros_and_becomes_resident_only_where_written(dtype: torch.dtype) -> None:
+    """The KV pool is not written at load: a GiB-sized default pool would be resident from the start."""
+    shape = (4, 2, 512, 16, 3, 64)  # 12-48 MiB
+    pool = zeros(shape, dtype, torch.device("cpu"))
+    mapping = _mapping_of(pool.data_ptr())
+    assert int(mapping["Rss"].split()[0]) == 0  # nothing touched yet
+    pool[0, 0, 7] = 1  # one block of one layer's keys
+    written = int(_mapping_of(pool.data_ptr())["Rss"].split()[0])
+    assert 0 < written <= HUGE_PAGE >> 10  # at most one 2 MiB page, in KiB
+    assert pool[0, 0, 7].eq(1).all() and int(pool.ne(0).sum()) == 16 * 3 * 64
+    assert zeros((3,), dtype, torch.device("cpu")).eq(0).all()  # small ones: plain zeros
