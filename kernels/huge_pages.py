@@ -75,7 +75,9 @@ def empty(shape: int | tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
 def zeros(shape: int | tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
     """A zeroed C-contiguous array, on 2 MiB pages where ``empty`` would be, whose pages the process takes only as
     they are first written: a fresh mapping reads as zeros without touching it, where ``np.zeros`` of a
-    reused heap writes every byte (the KV pool: a GiB resident from the start, mostly never used)."""
+    reused heap writes every byte (the KV pool: a GiB resident from the start, mostly never used). The memory is
+    committed when mapped: under strict overcommit (``vm.overcommit_memory=2``) a pool that does not fit fails
+    here, at load; under the default heuristic, as for any memory a process grows into, only when written."""
     dims, dtype, nbytes = _size(shape, dtype)
     linux = sys.platform.startswith("linux")
     mapped = _mapped(dims, dtype, nbytes, advise=_advisable()) if nbytes >= HUGE_PAGE and linux else None
