@@ -1,4 +1,5 @@
-"""Weights in 2 MiB pages: arrays the CPU kernels stream every step, in memory that asks Linux for huge pages.
+"""Weights and the KV pool in 2 MiB pages: arrays the CPU kernels stream every step, in memory that asks Linux for
+huge pages.
 
 Why: a decode step reads every projection's weight once (SmolLM2-135M: ~212 MB in bf16). Packed weights came
 from ``torch``/``numpy`` allocations on glibc's heap in 4 KiB pages, so streaming them walked ~52,000 pages a
@@ -8,7 +9,9 @@ took a 14-row decode step of the bf16 engine from 17-20 ms to 15.6 ms on the Zen
 How: ``empty`` maps fresh private anonymous memory, aligned to 2 MiB, and advises ``MADV_HUGEPAGE`` before
 anything touches it, so the first writes fault in huge pages where transparent huge pages are ``always`` or
 ``madvise`` (most distributions' default). Where they are ``never``, or off Linux, or for arrays under 2 MiB,
-it is an ordinary ``np.empty``: the kernels read the same bytes either way.
+it is an ordinary ``np.empty``: the kernels read the same bytes either way. ``zeros`` maps such memory too (the
+KV pool, through ``cloud.engine.host_memory``), never writing it: it reads as zeros and becomes resident as the
+cache fills.
 """
 from __future__ import annotations
 
