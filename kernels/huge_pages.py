@@ -101,20 +101,28 @@ def stacked(arrays: list[np.ndarray]) -> np.ndarray:
     return np.stack(arrays, out=out)
 
 
-def eligible(array: np.ndarray) -> bool:
-    """Whether the kernel may back ``array``'s memory with huge pages (``THPeligible`` of its mapping in
-    ``/proc/self/smaps``; False where that cannot be read)."""
-    start = array.__array_interface__["data"][0]
+def mapping_of(address: int) -> dict[str, str]:
+    """The ``/proc/self/smaps`` fields (``Rss``, ``AnonHugePages``, ``THPeligible``, ...) of the mapping holding
+    ``address``; empty where there is none or the file cannot be read (off Linux)."""
     try:
         lines = Path("/proc/self/smaps").read_text().splitlines()
     except OSError:
-        return False
+        return {}
+    fields: dict[str, str] = {}
     inside = False
     for line in lines:
         head = line.split(" ", 1)[0]
         if "-" in head and not head.endswith(":"):
+            if inside:
+                break
             lo, hi = (int(part, 16) for part in head.split("-"))
-            inside = lo <= start < hi
-        elif inside and line.startswith("THPeligible:"):
-            return line.split()[1] == "1"
-    return False
+            inside = lo <= address < hi
+        elif inside:
+            name, _, value = line.partition(":")
+            fields[name] = value.strip()
+    return fields
+
+
+def eligible(array: np.ndarray) -> bool:
+    """Whether the kernel may back ``array``'s memory with huge pages (``THPeligible`` of its mapping)."""
+    return mapping_of(array.__array_interface__["data"][0]).get("THPeligible") == "1"

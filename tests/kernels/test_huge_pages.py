@@ -104,3 +104,11 @@ def test_packed_weights_and_a_decode_runs_stack_are_in_eligible_memory() -> None
     norms = [torch.ones(1024) for _ in range(2)]
     stack = layers.stack(0, stacked, norms, norms)
     assert all(huge_pages.eligible(packed) for packed in stack.packed)
+
+
+@pytest.mark.skipif(not huge_pages.mapping_of(id(object())), reason="no /proc/self/smaps here")
+def test_a_mappings_fields_come_from_smaps() -> None:
+    array = np.ones(1 << 16, np.float32)
+    fields = huge_pages.mapping_of(_address(array))
+    assert int(fields["Rss"].split()[0]) > 0 and "THPeligible" in fields
+    assert huge_pages.mapping_of(0) == {}  # nothing is mapped at address 0

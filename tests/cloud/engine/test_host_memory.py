@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from apiary.cloud.engine.host_memory import keep_freed_memory, zeros
+from apiary.kernels import huge_pages
 from apiary.kernels.huge_pages import HUGE_PAGE
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
@@ -40,37 +41,14 @@ def test_freed_megabytes_stay_in_the_heap_instead_of_being_unmapped() -> None:
     assert libc.mallinfo2().fordblks >= size  # and kept for the next temporary
 
 
-def _thp_mode() -> str:
-    try:
-        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
-    except OSError:
-        return "absent"
-    return text.split("[")[1].split("]")[0]
-
-
-def _mapping_of(address: int) -> dict[str, str]:
-    """The /proc/self/smaps fields of the mapping that contains ``address``."""
-    fields: dict[str, str] = {}
-    inside = False
-    for line in open("/proc/self/smaps"):
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= address < hi
-        elif inside:
-            name, _, value = line.partition(":")
-            fields[name] = value.strip()
-    return fields
-
-
-@pytest.mark.skipif(not GLIBC or _thp_mode() in ("never", "absent"), reason="no transparent huge pages here")
+@pytest.mark.skipif(not GLIBC or huge_pages.thp_mode() in ("never", "unknown"), reason="no transparent huge pages here")
 def test_kv_pool_memory_is_eligible_for_huge_pages() -> None:
     # ~100 MiB: a fresh mapping of its own (never one advised by an earlier pool)
     shape = (8, 2, 1024, 16, 3, 64)
     pool = zeros(shape, torch.bfloat16, torch.device("cpu"))
     assert pool.shape == shape and pool.dtype == torch.bfloat16 and pool.is_contiguous()
     inner = -(-pool.data_ptr() // HUGE_PAGE) * HUGE_PAGE  # the first whole 2 MiB page inside the tensor
-    assert _mapping_of(inner).get("THPeligible") == "1"
+    assert huge_pages.mapping_of(inner).get("THPeligible") == "1"
     assert not pool.any()
 
 
@@ -80,10 +58,10 @@ def test_a_pool_reads_as_zeros_and_becomes_resident_only_where_written(dtype: to
     """The KV pool is not written at load: a GiB-sized default pool would be resident from the start."""
     shape = (4, 2, 512, 16, 3, 64)  # 12-48 MiB
     pool = zeros(shape, dtype, torch.device("cpu"))
-    mapping = _mapping_of(pool.data_ptr())
+    mapping = huge_pages.mapping_of(pool.data_ptr())
     assert int(mapping["Rss"].split()[0]) == 0  # nothing touched yet
     pool[0, 0, 7] = 1  # one block of one layer's keys
-    written = int(_mapping_of(pool.data_ptr())["Rss"].split()[0])
+    written = int(huge_pages.mapping_of(pool.data_ptr())["Rss"].split()[0])
     assert 0 < written <= HUGE_PAGE >> 10  # at most one 2 MiB page, in KiB
     assert pool[0, 0, 7].eq(1).all() and int(pool.ne(0).sum()) == 16 * 3 * 64
     assert zeros((3,), dtype, torch.device("cpu")).eq(0).all()  # small ones: plain zeros
