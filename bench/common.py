@@ -34,8 +34,8 @@ def machine_info() -> dict[str, Any]:
     return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
             "cpu_model": cpu.host_model_name(), "cpu_features": cpu.relevant(flags),
             "bf16": f"native ({cpu.native_bf16(flags)})" if cpu.native_bf16(flags) else "emulated",
-            "numba_pool": numba_threads.describe(), "huge_pages": huge_pages.thp_mode(), "load_average": [round(x, 2) for x in os.getloadavg()],
-            "cpu_hidden": os.environ.get(cpu.HIDE_ENV, "")}
+            "numba_pool": numba_threads.describe(), "huge_pages": huge_pages.thp_mode(),
+            "load_average": [round(x, 2) for x in os.getloadavg()], "cpu_hidden": os.environ.get(cpu.HIDE_ENV, "")}
 
 
 def machine_line(info: dict[str, Any]) -> str:

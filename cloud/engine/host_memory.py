@@ -61,5 +61,5 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     host allows it, and resident only as far as it is written (CUDA memory is left alone)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     return torch.from_numpy(huge_pages.zeros((nbytes,), np.uint8)).view(dtype).view(shape)
