@@ -206,7 +206,7 @@ def test_bf16_decode_steps_run_the_layers_in_one_call(tmp_path: Path, monkeypatc
     """A bf16 engine whose projections take our bf16 kernel stacks all its layers (their weights then views of
     the stack), and decode steps take them in one compiled call with the per-layer path's tokens and logprobs
     exactly; elsewhere (AVX2, emulated bf16) nothing is stacked and the log says why. The log names the pages the
-    stacked weights sit in (these tiny ones are under 2 MiB: 4 KiB pages)."""
+    stacked weights sit in (these tiny ones are under 2 MiB: 4 KiB pages unless the host's THP mode is always)."""
     folder = make_checkpoint(tmp_path / "four", "llama", layers=4, hidden=128, heads=4, kv_heads=2, intermediate=256)
     with caplog.at_level(logging.INFO, logger="apiary.cloud.engine.model_runner"):
         engine = LLMEngine(EngineConfig(model_path=folder, dtype="bfloat16", kv_cache_bytes=4 << 20, block_size=8))
@@ -216,7 +216,8 @@ def test_bf16_decode_steps_run_the_layers_in_one_call(tmp_path: Path, monkeypatc
         assert "no run of layers in one call" in caplog.text
         return
     assert stack is not None and (stack.first, stack.count, stack.gemm) == (0, 4, "bf16")
-    assert (f"decode steps run layers 0-3 in one compiled call (bf16 GEMM; weights in 4 KiB pages, transparent huge "
+    pages = "2 MiB" if all(huge_pages.eligible(packed) for packed in stack.packed) else "4 KiB"  # (THP always: 2)
+    assert (f"decode steps run layers 0-3 in one compiled call (bf16 GEMM; weights in {pages} pages, transparent huge "
             f"pages {huge_pages.thp_mode()})") in caplog.text
     for i, layer in enumerate(engine.runner.model.layers):
         assert all(np.shares_memory(getattr(layer, name).kernel.weight.packed, stack.packed[j][i])
