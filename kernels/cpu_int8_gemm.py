@@ -60,6 +60,7 @@ TILE = 16  # outputs per vector: 16 int32 lanes
 ROWS = 6
 WEIGHT_ZERO_POINT = 128  # weights enter vpdpbusd as unsigned bytes
 MIN_ABSMAX = 1e-8  # groups of zeros get this absmax: scale > 0, all-zero int8
+QUANTIZE_ROWS = 4096  # outputs ``quantize_weight`` converts at a time (a multiple of TILE): ~40 MB of temporaries at K 576
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 ROWS_AVX2 = 2  # AVX2's 16 vector registers: 2 rows x 2 halves x (int + float) accumulators beside the weights
 # LLVM's names for what each kernel's instructions need, best first
@@ -125,17 +126,23 @@ class GroupedWeight:
 
 def quantize_weight(weight: torch.Tensor) -> GroupedWeight:
     """Symmetric int8 per (output, 64 inputs) of ``weight [N, K]``, packed for the kernel (zeros pad N to a
-    multiple of 16 and K to one of 64)."""
+    multiple of 16 and K to one of 64). ``QUANTIZE_ROWS`` outputs at a time: whole, an LM head's float32
+    temporaries (SmolLM2's: 49,152 x 576) took ~350 MB at once, the peak of an engine's load."""
     rows, k = weight.shape
     n, padded = -(-rows // TILE) * TILE, -(-k // GROUP) * GROUP
-    w = torch.zeros(n, padded, dtype=torch.float32)
-    w[:rows, :k] = weight.float()
-    grouped = w.view(n, padded // GROUP, GROUP)
-    scale = grouped.abs().amax(dim=2).clamp(min=MIN_ABSMAX) / 127
-    q = torch.round(grouped / scale[:, :, None]).clamp(-127, 127).to(torch.int16) + WEIGHT_ZERO_POINT
-    packed = huge_pages.copy(q.to(torch.uint8).view(n // TILE, TILE, padded // 4, 4).permute(0, 2, 1, 3))
-    scales = scale.view(n // TILE, TILE, -1).permute(0, 2, 1).contiguous()
-    return GroupedWeight(packed, scales.numpy(), rows, k)
+    packed = huge_pages.empty((n // TILE, padded // 4, TILE, 4), np.uint8)
+    scales = np.empty((n // TILE, padded // GROUP, TILE), np.float32)
+    for start in range(0, n, QUANTIZE_ROWS):
+        stop = min(n, start + QUANTIZE_ROWS)
+        w = torch.zeros(stop - start, padded, dtype=torch.float32)
+        w[: max(0, min(rows, stop) - start), :k] = weight[start:stop].float()
+        grouped = w.view(stop - start, padded // GROUP, GROUP)
+        scale = grouped.abs().amax(dim=2).clamp(min=MIN_ABSMAX) / 127
+        q = torch.round(grouped / scale[:, :, None]).clamp(-127, 127).to(torch.int16) + WEIGHT_ZERO_POINT
+        tiles = slice(start // TILE, stop // TILE)
+        torch.from_numpy(packed[tiles]).copy_(q.to(torch.uint8).view(-1, TILE, padded // 4, 4).permute(0, 2, 1, 3))
+        torch.from_numpy(scales[tiles]).copy_(scale.view(-1, TILE, padded // GROUP).permute(0, 2, 1))
+    return GroupedWeight(packed, scales, rows, k)
 
 
 def quantize_activations(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -404,7 +404,7 @@ class RefinedHead:
 
     @classmethod
     def of(cls, weight: torch.Tensor) -> RefinedHead:
-        return cls(GroupedInt8Linear.of(weight.float()), weight)
+        return cls(GroupedInt8Linear.of(weight), weight)  # quantized in slabs: no float32 copy of the whole head
 
     def __call__(self, hidden: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[rows, V]`` (float32) of ``hidden [rows, H]``; ``allowed``: the grammar's packed bitmask

@@ -51,9 +51,11 @@ def _pack(weight: torch.Tensor, bias: torch.Tensor | None, flags: Iterable[str] 
 
 @dataclass(slots=True)
 class Linear:
-    """``y = x @ weight.T + bias``; ``weight`` stays available in plain layout (tests, parameter counts)."""
+    """``y = x @ weight.T + bias``. Where our GEMM holds the weight (``kernel``), its packed copy is the only one:
+    ``weight`` unpacks it on demand (fall-back calls, int8 conversion, tests). Why: keeping the plain bf16 weight
+    beside the packed one held 212 MB of SmolLM2's 1.2 GB resident that no step reads."""
 
-    weight: torch.Tensor
+    plain: torch.Tensor | None  # the weight in plain layout; None where ``kernel`` holds it
     bias: torch.Tensor | None = None
     packed: torch.Tensor | None = None  # oneDNN's layout
     kernel: Bound | BoundBF16W | None = None  # our GEMM bound to this weight (``ops.bind_bf16_linear``, ``bind_bf16w_linear``)
@@ -65,8 +67,9 @@ class Linear:
         needs native bf16 there as well as in what numba compiles for."""
         native = weight.dtype == torch.bfloat16 and cpu.native_bf16(cpu.host_flags() if flags is None else flags)
         kernel = ops.bind_bf16_linear(weight, bias) if native else None
-        return cls(weight, bias, None if kernel is not None else _pack(weight, bias, flags), kernel,
-                   weight.dtype if kernel is not None else None)
+        if kernel is not None:
+            return cls(None, bias, None, kernel, weight.dtype)
+        return cls(weight, bias, _pack(weight, bias, flags))
 
     @classmethod
     def bf16_weights(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear | None:
@@ -75,12 +78,25 @@ class Linear:
         kernel = ops.bind_bf16w_linear(weight, bias)
         if kernel is None:
             return None
-        return cls(weight.to(torch.bfloat16), None if bias is None else bias.float(), None, kernel, torch.float32)
+        return cls(None, None if bias is None else bias.float(), None, kernel, torch.float32)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight ``[N, K]`` in plain layout: held, or unpacked from the kernel's copy (a new tensor each call)."""
+        if self.plain is not None:
+            return self.plain
+        assert self.kernel is not None, "a Linear holds its weight plain or in its kernel"
+        return self.kernel.weight.unpacked()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weight's dtype (bf16 where the kernel holds it), without unpacking it."""
+        return self.plain.dtype if self.plain is not None else torch.bfloat16
 
     @property
     def path(self) -> str:
         """Which GEMM 2-D inputs of the weight's dtype take (for the engine's load log)."""
-        if self.kernel is not None and self.takes == torch.float32 and self.weight.dtype == torch.bfloat16:
+        if self.kernel is not None and self.takes == torch.float32 and self.dtype == torch.bfloat16:
             return "bf16 weights, float32 sums (kernels/cpu_bf16w_gemm.py)"
         if self.kernel is not None:
             return "our bf16 kernel (vdpbf16ps, kernels/cpu_bf16_gemm.py)"
@@ -89,7 +105,7 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and x.dim() == 2 and x.shape[0] and x.dtype == self.takes:
             return self.kernel(x)
-        if x.dim() != 2 or x.shape[0] == 0 or x.dtype != self.weight.dtype:
+        if x.dim() != 2 or x.shape[0] == 0 or x.dtype != self.dtype or self.plain is None:
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(x, self.weight.to(x.dtype), bias)
         if self.packed is None:
@@ -107,5 +123,6 @@ class Linear:
         return self(F.silu(gate) * up)
 
     def tensors(self) -> list[torch.Tensor]:
-        """The parameters (plain layout), for counting."""
-        return [self.weight] + ([] if self.bias is None else [self.bias])
+        """The parameters as held, for counting: the plain weight, or the kernel's packed one (padded to whole tiles)."""
+        held = [self.plain] if self.plain is not None else [torch.from_numpy(self.kernel.weight.packed)]  # type: ignore[union-attr]
+        return held + ([] if self.bias is None else [self.bias])

@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence as Seq
 
 import torch
 
-from apiary.cloud.engine import adapter, detokenizer
+from apiary.cloud.engine import adapter, detokenizer, host_memory
 from apiary.cloud.engine.block_manager import BlockManager
 from apiary.cloud.engine.config import EngineConfig
 from apiary.cloud.engine.errors import EngineError, EngineOverloaded, RequestRejected, StepInterrupted
@@ -47,6 +47,8 @@ class LLMEngine:
         self.runner = ModelRunner(config, checkpoint, self.max_model_len)
         self.speculator = self._speculator(config, checkpoint) if config.speculative is not None else None
         del checkpoint  # the float32 copy; the model holds its own (possibly bf16) weights
+        if self.runner.device.type == "cpu":
+            host_memory.return_freed_memory()  # the load's temporaries: no step reuses them
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, config.swap_space_bytes // self.runner.bytes_per_block)
         if self.speculator is not None:

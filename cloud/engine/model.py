@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from apiary.cloud.engine.config import ModelConfig
+from apiary.cloud.engine import host_memory
 from apiary.cloud.engine.errors import EngineError, StepInterrupted
 from apiary.cloud.engine.int8 import GroupedInt8Linear, Int8Linear, RefinedHead
 from apiary.cloud.engine.kv_cache import LayerKV
@@ -143,10 +144,16 @@ class LlamaModel:
         self.ragged_decode = ops.decode_backend(device, dtype, self.decode_backend) != "torch"
         self.scale = config.head_dim ** -0.5
 
+        pages = host_memory.FilePages(list(weights.values()))  # a mapped checkpoint's pages, dropped once copied
+
         def w(name: str) -> torch.Tensor:
             if name not in weights:
                 raise EngineError(f"checkpoint lacks tensor {name}")
-            return weights[name].to(device=device, dtype=dtype).contiguous()
+            source = weights[name]
+            out = source.to(device=device, dtype=dtype).contiguous()
+            if out.data_ptr() != source.data_ptr():
+                pages.release(source)
+            return out
 
         def maybe(name: str) -> torch.Tensor | None:
             return w(name) if name in weights else None
@@ -223,9 +230,9 @@ class LlamaModel:
                 if isinstance(lin, GroupedInt8Linear):
                     setattr(layer, name, GroupedInt8Linear(view))  # type: ignore[arg-type]
                     continue
-                held = lin.takes != lin.weight.dtype  # float32 rows through bf16-held weights
+                held = lin.takes != lin.dtype  # float32 rows through bf16-held weights
                 bind = ops.bind_held_bf16 if held else ops.bind_packed_bf16
-                setattr(layer, name, Linear(lin.weight, lin.bias, None, bind(view), lin.takes))  # type: ignore[arg-type]
+                setattr(layer, name, Linear(None, lin.bias, None, bind(view), lin.takes))  # type: ignore[arg-type]
         in_huge_pages = all(huge_pages.eligible(packed) for packed in self.layer_stack.packed)
         return (f"decode steps run layers {first}-{first + count - 1} in one compiled call "
                 f"({self.layer_stack.gemm} GEMM; weights in "

@@ -188,6 +188,9 @@ class ModelRunner:
             return
         from apiary.cloud.engine.int8 import PROJECTIONS
 
+        # the float32 weights the model held are (o_proj, down) the mapped checkpoint's: dropped once packed
+        pages = host_memory.FilePages([lin.plain for layer in self.model.layers for name in PROJECTIONS
+                                       if isinstance(lin := getattr(layer, name), Linear) and lin.plain is not None])
         for i, layer in enumerate(self.model.layers):
             for name in PROJECTIONS:
                 lin = getattr(layer, name)
@@ -196,6 +199,8 @@ class ModelRunner:
                     raise EngineError(f"weights='bf16' needs numba compiling for AVX2 and FMA and our kernels "
                                       f"(APIARY_KERNELS=auto); layer {i}'s {name} cannot take it here")
                 setattr(layer, name, held)
+                if lin.plain is not None:
+                    pages.release(lin.plain)
         log.info("float32 engine, decoder weights held in bf16: %s", self.model.layers[0].qkv.path)
 
     def _refine_head(self, config: EngineConfig) -> None:

@@ -59,9 +59,11 @@ def test_bfloat16_takes_our_kernel_within_one_rounding_of_f_linear(rows: int, wi
 
     weight, bias, x = _bf16_case(rows, with_bias)
     layer = Linear.of(weight, bias)
-    assert layer.kernel is not None and layer.packed is None
+    assert layer.kernel is not None and layer.packed is None and layer.plain is None
+    assert torch.equal(layer.weight, weight) and layer.dtype == torch.bfloat16  # unpacked from the kernel's copy
     with torch.inference_mode():
         got, ref = layer(x), F.linear(x, weight, bias)
+        assert torch.equal(layer(x[None]), F.linear(x[None], weight, bias))  # 3-D: F.linear on the unpacked weight
     assert torch.equal(got, cpu_bf16_gemm.linear(x, cpu_bf16_gemm.pack(weight, bias)))
     ulp = 2.0 ** (torch.floor(torch.log2(ref.float().abs().clamp(min=1e-30))) - 7)
     assert ((got.float() - ref.float()).abs() <= ulp + 1e-5).all()  # oneDNN's sums in another order: one rounding apart

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import platform
 from collections.abc import Callable
 from pathlib import Path
 
@@ -245,11 +246,36 @@ def test_real_model_bfloat16_decodes_its_layers_in_one_call(real_bf16_engine: LL
         assert all(huge_pages.eligible(packed) for packed in stack.packed)
         head = engine.runner.model.head
         assert not isinstance(head, int8.RefinedHead) or huge_pages.eligible(head.approx.weight.packed)
+    # each projection's weight is held once, packed (the plain bf16 copy beside it was 212 MB)
+    assert all(getattr(layer, name).plain is None for layer in engine.runner.model.layers for name in int8.PROJECTIONS)
     fused, layered, calls = decodes_through_the_run(engine, [PROMPT, "Queen present", "Hive 3 lost weight"], 24,
                                                     monkeypatch)
     assert calls >= 20
     assert [o.output_token_ids for o in fused] == [o.output_token_ids for o in layered]
     assert [o.logprobs for o in fused] == [o.logprobs for o in layered]
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
+                    reason="pages are dropped with glibc's madvise, counted from Linux's smaps")
+def test_real_model_bf16_load_drops_the_mapped_checkpoints_pages(gguf_path: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The float32 checkpoint the cache maps (513 MB for SmolLM2) is resident only while each tensor is copied: it
+    was the peak of an engine's load, and a bf16 model built from it holds its own weights."""
+    from apiary.cloud.engine.loader import load_checkpoint
+    from apiary.cloud.engine.model import LlamaModel
+
+    monkeypatch.setenv("APIARY_CHECKPOINT_CACHE", str(tmp_path))
+    load_checkpoint(gguf_path)  # read and stored
+    checkpoint = load_checkpoint(gguf_path)  # mapped from the entry
+    probe = checkpoint.weights["model.layers.0.mlp.down_proj.weight"]
+    mapping = huge_pages.mapping_of(probe.data_ptr())
+    assert mapping, "the cached checkpoint is not a mapping of its own"
+    model = LlamaModel(checkpoint.config, checkpoint.weights, torch.device("cpu"), torch.bfloat16, max_positions=256)
+    resident = int(huge_pages.mapping_of(probe.data_ptr())["Rss"].split()[0]) << 10
+    size = sum(t.numel() * t.element_size() for t in checkpoint.weights.values())
+    assert resident < size // 50, (resident, size)  # a few edge pages and the small norms, not the tensors
+    assert torch.equal(model.layers[0].down.weight, probe.bfloat16())  # the copies were made before the drop
+    assert torch.equal(checkpoint.weights["model.layers.0.mlp.down_proj.weight"], probe)  # read back from the file
 
 
 @pytest.mark.slow
