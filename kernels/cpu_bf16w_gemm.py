@@ -11,7 +11,7 @@ holds on AVX-512-bf16 hosts.
 Layout: ``cpu_bf16_gemm``'s (``pack``: ``[N / 16, K / 2, 16, 2]`` bf16 bits, N padded to 16 and K to 32): one
 64-byte vector holds inputs ``2p`` and ``2p + 1`` of 16 outputs, as 16 words whose low half is input ``2p``.
 Per row, each output's sum is one chain of fused multiply-adds in input order (``llvm.fma``), whatever the micro-tile
-(4, 2 or 1 rows) a row lands in: a row's outputs do not depend on the other rows of the call (the float32 engine
+(4, 3, 2 or 1 rows) a row lands in: a row's outputs do not depend on the other rows of the call (the float32 engine
 through sgemm does not promise that; docs/engine.md). The bias is added once after the sum.
 
 Which hosts: any x86-64 CPU numba compiles AVX2 and FMA for (``available``).
@@ -35,7 +35,7 @@ from apiary.kernels.cpu_int8_gemm import TILE, _numba_target_features, _prefetch
 from apiary.kernels.errors import KernelError
 
 assert LANES == TILE
-ROWS = 4  # rows per micro-tile (leftovers go as 2, 1): 4 accumulators of 16 lanes, 8 AVX2 registers
+ROWS = 4  # rows per micro-tile at most (``_rows_next``: 3, 2 or 1 as well): 4 accumulators of 16 lanes, 8 AVX2 registers
 FEATURES = ("avx2", "fma")  # LLVM's names for what the widened products need
 
 __all__ = ["Bound", "HeldBF16", "available", "linear", "pack", "reference"]
@@ -165,7 +165,7 @@ def _micro_tile_of(rows: int):  # type: ignore[no-untyped-def]
     return tile
 
 
-_tile_rows, _tile_2, _tile_1 = (_micro_tile_of(rows) for rows in (ROWS, 2, 1))
+_tile_rows, _tile_3, _tile_2, _tile_1 = (_micro_tile_of(rows) for rows in (ROWS, 3, 2, 1))
 
 
 @njit(cache=True, boundscheck=False, nogil=True)
@@ -190,6 +190,14 @@ def _swiglu(x, out):  # type: ignore[no-untyped-def]
             out[i, j] = _silu(x[i, j]) * x[i, k + j]
 
 
+@njit(inline="always")
+def _rows_next(left):  # type: ignore[no-untyped-def]
+    """Rows of the next micro-tile when ``left`` rows remain: as few micro-tiles as ``ROWS`` allows, as even as can be
+    (14 rows: 4, 4, 3, 3; 7: 4, 3). Why: each micro-tile widens every weight again for its rows, so a tile of 1 or 2 rows
+    costs nearly what one of 4 does; with 4, 2 and 1 only, 3, 7 and 15 rows took 9-17% longer (docs/kernels.md)."""
+    return -(-left // -(-left // ROWS))
+
+
 @njit(parallel=True, cache=True, boundscheck=False, nogil=True)
 def _tiles(x, packed, bias, out):  # type: ignore[no-untyped-def]
     """Every 16-output tile of ``out [M, Np]`` (float32) over all rows of ``x [M, Kp]`` (float32), the tiles spread
@@ -201,11 +209,14 @@ def _tiles(x, packed, bias, out):  # type: ignore[no-untyped-def]
         w_at = t * tile_elems
         ahead = tile_elems * 2 if t + 1 < tiles else 0  # bytes to the next tile's same chunk
         m0 = 0
-        while m0 + ROWS <= m:
-            _tile_rows(out, m0 * n + t * TILE, n, x, m0 * x.shape[1], packed, w_at, ahead, bias, t * TILE, chunks)
-            m0 += ROWS
-        if m - m0 >= 2:
-            _tile_2(out, m0 * n + t * TILE, n, x, m0 * x.shape[1], packed, w_at, ahead, bias, t * TILE, chunks)
-            m0 += 2
-        if m - m0 == 1:
-            _tile_1(out, m0 * n + t * TILE, n, x, m0 * x.shape[1], packed, w_at, ahead, bias, t * TILE, chunks)
+        while m0 < m:
+            take = _rows_next(m - m0)
+            if take == ROWS:
+                _tile_rows(out, m0 * n + t * TILE, n, x, m0 * x.shape[1], packed, w_at, ahead, bias, t * TILE, chunks)
+            elif take == 3:
+                _tile_3(out, m0 * n + t * TILE, n, x, m0 * x.shape[1], packed, w_at, ahead, bias, t * TILE, chunks)
+            elif take == 2:
+                _tile_2(out, m0 * n + t * TILE, n, x, m0 * x.shape[1], packed, w_at, ahead, bias, t * TILE, chunks)
+            else:
+                _tile_1(out, m0 * n + t * TILE, n, x, m0 * x.shape[1], packed, w_at, ahead, bias, t * TILE, chunks)
+            m0 += take

@@ -60,7 +60,7 @@ def test_every_output_is_the_exact_product_within_float32_sums(gemm, rows: int, 
 @given(rows=st.integers(0, 40), n=st.integers(1, 70), k=st.integers(1, 300), seed=st.integers(0, 99))
 def test_any_shape_and_each_row_alone_as_in_the_batch(gemm, rows: int, n: int, k: int, seed: int) -> None:  # type: ignore[no-untyped-def]
     """Padding of N to 16 and K to 32 adds nothing, and each row's outputs are one chain of sums in input order, so a
-    row computed alone equals the same row in any batch, bit for bit (micro-tiles of 4, 2 and 1 rows alike)."""
+    row computed alone equals the same row in any batch, bit for bit (micro-tiles of 4, 3, 2 and 1 rows alike)."""
     g = torch.Generator().manual_seed(seed)
     w, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
     packed = gemm.pack(w)
@@ -131,3 +131,17 @@ def test_an_avx2_build_gives_the_same_bits(gemm, tmp_path) -> None:  # type: ign
     packed = gemm.pack(torch.randn(48, 130, generator=g), torch.randn(48, generator=g))
     x = torch.randn(7, 130, generator=g)
     assert torch.equal(torch.load(out), gemm.linear(x, packed))
+
+
+def test_rows_go_in_micro_tiles_as_even_as_can_be(gemm) -> None:  # type: ignore[no-untyped-def]
+    """No 1- or 2-row micro-tile where a 3-row one can take the rows (each tile widens the weights again)."""
+    def split(m: int) -> list[int]:
+        sizes = []
+        while m:
+            sizes.append(gemm._rows_next.py_func(m))
+            m -= sizes[-1]
+        return sizes
+
+    assert [split(m) for m in (1, 2, 3, 4, 5, 7, 13, 14, 16)] == [
+        [1], [2], [3], [4], [3, 2], [4, 3], [4, 3, 3, 3], [4, 4, 3, 3], [4, 4, 4, 4]]
+    assert all(max(split(m)) <= gemm.ROWS and sum(split(m)) == m for m in range(1, 300))
