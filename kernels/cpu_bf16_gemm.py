@@ -46,7 +46,7 @@ from apiary.kernels.errors import KernelError
 # unit of prefetching (``cpu_int8_gemm._prefetch_group``'s 16 lines)
 CHUNK = 32
 assert CHUNK * 2 == GROUP
-ROWS = 6  # rows per micro-tile (leftovers go as 4, 2, 1): 2 x 6 accumulators, two chains per row
+ROWS = 6  # rows per micro-tile at most (``_rows_next``: 5 to 1 as well): 2 x 6 accumulators, two chains per row
 FEATURES = ("avx512f", "avx512bw", "avx512bf16")  # LLVM's names for what vdpbf16ps needs
 
 
@@ -204,7 +204,17 @@ def _micro_tile_of(rows: int):  # type: ignore[no-untyped-def]
     return tile
 
 
-_tile_rows, _tile_4, _tile_2, _tile_1 = (_micro_tile_of(rows) for rows in (ROWS, 4, 2, 1))
+_tile_rows, _tile_5, _tile_4, _tile_3, _tile_2, _tile_1 = (_micro_tile_of(rows) for rows in (ROWS, 5, 4, 3, 2, 1))
+
+
+@njit(inline="always")
+def _rows_next(left, most):  # type: ignore[no-untyped-def]
+    """Rows of the next micro-tile when ``left`` rows remain and a tile holds at most ``most``: as few tiles as that
+    allows, as even as can be (14 rows by 6: 5, 5, 4; by 4: 4, 4, 3, 3). Why: a tile of one or two rows keeps few
+    sums in flight and re-reads the weights for few rows, so it costs nearly what a full one does; with 6, 4, 2 and
+    1 only, 9, 11 and 15 rows took 10-13% longer here, and the bf16-held kernel's 3, 7 and 15 rows 9-17% longer
+    (docs/kernels.md)."""
+    return -(-left // -(-left // most))
 
 
 @njit(cache=True, boundscheck=False, nogil=True)
@@ -240,14 +250,18 @@ def _tiles(x, packed, bias, out):  # type: ignore[no-untyped-def]
         w_at = t * tile_elems
         ahead = tile_elems * 2 if t + 1 < tiles else 0  # bytes to the next tile's same chunk
         m0 = 0
-        while m0 + ROWS <= m:
-            _tile_rows(out, m0 * n + t * TILE, n, x, m0 * x.shape[1], packed, w_at, ahead, bias, t * TILE, chunks)
-            m0 += ROWS
-        if m - m0 >= 4:
-            _tile_4(out, m0 * n + t * TILE, n, x, m0 * x.shape[1], packed, w_at, ahead, bias, t * TILE, chunks)
-            m0 += 4
-        if m - m0 >= 2:
-            _tile_2(out, m0 * n + t * TILE, n, x, m0 * x.shape[1], packed, w_at, ahead, bias, t * TILE, chunks)
-            m0 += 2
-        if m - m0 == 1:
-            _tile_1(out, m0 * n + t * TILE, n, x, m0 * x.shape[1], packed, w_at, ahead, bias, t * TILE, chunks)
+        while m0 < m:
+            take = _rows_next(m - m0, ROWS)
+            if take == ROWS:
+                _tile_rows(out, m0 * n + t * TILE, n, x, m0 * x.shape[1], packed, w_at, ahead, bias, t * TILE, chunks)
+            elif take == 5:
+                _tile_5(out, m0 * n + t * TILE, n, x, m0 * x.shape[1], packed, w_at, ahead, bias, t * TILE, chunks)
+            elif take == 4:
+                _tile_4(out, m0 * n + t * TILE, n, x, m0 * x.shape[1], packed, w_at, ahead, bias, t * TILE, chunks)
+            elif take == 3:
+                _tile_3(out, m0 * n + t * TILE, n, x, m0 * x.shape[1], packed, w_at, ahead, bias, t * TILE, chunks)
+            elif take == 2:
+                _tile_2(out, m0 * n + t * TILE, n, x, m0 * x.shape[1], packed, w_at, ahead, bias, t * TILE, chunks)
+            else:
+                _tile_1(out, m0 * n + t * TILE, n, x, m0 * x.shape[1], packed, w_at, ahead, bias, t * TILE, chunks)
+            m0 += take

@@ -30,12 +30,12 @@ from numba.extending import intrinsic
 
 from apiary.kernels.cpu_attention import LANES, _close_loop, _data, _open_loop, _splat
 from apiary.kernels import cpu_bf16_gemm
-from apiary.kernels.cpu_bf16_gemm import CHUNK, PackedBF16
+from apiary.kernels.cpu_bf16_gemm import CHUNK, PackedBF16, _rows_next
 from apiary.kernels.cpu_int8_gemm import TILE, _numba_target_features, _prefetch_group, _silu, _store_rows
 from apiary.kernels.errors import KernelError
 
 assert LANES == TILE
-ROWS = 4  # rows per micro-tile at most (``_rows_next``: 3, 2 or 1 as well): 4 accumulators of 16 lanes, 8 AVX2 registers
+ROWS = 4  # rows per micro-tile at most (``cpu_bf16_gemm._rows_next``: 3, 2 or 1 as well): 4 accumulators of 16 lanes, 8 AVX2 registers
 FEATURES = ("avx2", "fma")  # LLVM's names for what the widened products need
 
 __all__ = ["Bound", "HeldBF16", "available", "linear", "pack", "reference"]
@@ -190,14 +190,6 @@ def _swiglu(x, out):  # type: ignore[no-untyped-def]
             out[i, j] = _silu(x[i, j]) * x[i, k + j]
 
 
-@njit(inline="always")
-def _rows_next(left):  # type: ignore[no-untyped-def]
-    """Rows of the next micro-tile when ``left`` rows remain: as few micro-tiles as ``ROWS`` allows, as even as can be
-    (14 rows: 4, 4, 3, 3; 7: 4, 3). Why: each micro-tile widens every weight again for its rows, so a tile of 1 or 2 rows
-    costs nearly what one of 4 does; with 4, 2 and 1 only, 3, 7 and 15 rows took 9-17% longer (docs/kernels.md)."""
-    return -(-left // -(-left // ROWS))
-
-
 @njit(parallel=True, cache=True, boundscheck=False, nogil=True)
 def _tiles(x, packed, bias, out):  # type: ignore[no-untyped-def]
     """Every 16-output tile of ``out [M, Np]`` (float32) over all rows of ``x [M, Kp]`` (float32), the tiles spread
@@ -210,7 +202,7 @@ def _tiles(x, packed, bias, out):  # type: ignore[no-untyped-def]
         ahead = tile_elems * 2 if t + 1 < tiles else 0  # bytes to the next tile's same chunk
         m0 = 0
         while m0 < m:
-            take = _rows_next(m - m0)
+            take = _rows_next(m - m0, ROWS)
             if take == ROWS:
                 _tile_rows(out, m0 * n + t * TILE, n, x, m0 * x.shape[1], packed, w_at, ahead, bias, t * TILE, chunks)
             elif take == 3:

@@ -156,3 +156,30 @@ def test_the_kernel_follows_the_features_numba_compiles_for(monkeypatch: pytest.
     finally:
         monkeypatch.undo()
         cpu_bf16_gemm.available.cache_clear()
+
+
+@pytest.mark.skipif(numba_missing, reason="numba is not installed")
+def test_rows_go_in_micro_tiles_as_even_as_can_be() -> None:
+    """No 1- or 2-row micro-tile where a larger one can take the rows: 14 rows as 5, 5, 4, not 6, 6, 2."""
+    from apiary.kernels import cpu_bf16_gemm
+
+    def split(m: int) -> list[int]:
+        sizes = []
+        while m:
+            sizes.append(cpu_bf16_gemm._rows_next.py_func(m, cpu_bf16_gemm.ROWS))
+            m -= sizes[-1]
+        return sizes
+
+    assert [split(m) for m in (1, 2, 3, 6, 7, 9, 13, 14, 15, 16)] == [
+        [1], [2], [3], [6], [4, 3], [5, 4], [5, 4, 4], [5, 5, 4], [5, 5, 5], [6, 5, 5]]
+    assert all(max(split(m)) <= cpu_bf16_gemm.ROWS and sum(split(m)) == m for m in range(1, 300))
+
+
+@pytest.mark.parametrize("rows", [7, 9, 13, 14, 15, 16])
+def test_each_row_alone_is_the_row_in_the_batch(gemm, rows: int) -> None:  # type: ignore[no-untyped-def]
+    """Each row's sums are its own two chains in input order, whatever micro-tile (1 to 6 rows) it lands in."""
+    g = torch.Generator().manual_seed(rows)
+    w = gemm.pack(torch.randn(96, 576, generator=g).bfloat16(), torch.randn(96, generator=g).bfloat16())
+    x = torch.randn(rows, 576, generator=g).bfloat16()
+    batch = gemm.linear(x, w)
+    assert torch.equal(torch.cat([gemm.linear(x[i:i + 1], w) for i in range(rows)]), batch)

@@ -138,7 +138,7 @@ def test_rows_go_in_micro_tiles_as_even_as_can_be(gemm) -> None:  # type: ignore
     def split(m: int) -> list[int]:
         sizes = []
         while m:
-            sizes.append(gemm._rows_next.py_func(m))
+            sizes.append(gemm._rows_next.py_func(m, gemm.ROWS))
             m -= sizes[-1]
         return sizes
 
