@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -114,3 +114,12 @@ def torch_threads(n: int) -> Iterator[None]:
     finally:
         torch.set_num_threads(before)
 
+
+
+def micro_tiles(rows_next: Callable[[int, int], int], most: int, rows: int) -> list[int]:
+    """The micro-tile sizes a GEMM's ``rows_next`` (its ``py_func``) splits ``rows`` into, at most ``most`` each."""
+    sizes: list[int] = []
+    while rows:
+        sizes.append(rows_next(rows, most))
+        rows -= sizes[-1]
+    return sizes

@@ -2,6 +2,8 @@
 bias, padding, threads, the layout, which CPUs get it, and refusals."""
 from __future__ import annotations
 
+import functools
+
 import numba
 import pytest
 import torch
@@ -11,7 +13,7 @@ from hypothesis import strategies as st
 
 from apiary.kernels import ops
 from apiary.kernels.errors import KernelError
-from tests.kernels.cases import torch_threads
+from tests.kernels.cases import micro_tiles, torch_threads
 
 numba_missing = not ops.numba_available()
 
@@ -163,13 +165,7 @@ def test_rows_go_in_micro_tiles_as_even_as_can_be() -> None:
     """No 1- or 2-row micro-tile where a larger one can take the rows: 14 rows as 5, 5, 4, not 6, 6, 2."""
     from apiary.kernels import cpu_bf16_gemm
 
-    def split(m: int) -> list[int]:
-        sizes = []
-        while m:
-            sizes.append(cpu_bf16_gemm._rows_next.py_func(m, cpu_bf16_gemm.ROWS))
-            m -= sizes[-1]
-        return sizes
-
+    split = functools.partial(micro_tiles, cpu_bf16_gemm._rows_next.py_func, cpu_bf16_gemm.ROWS)
     assert [split(m) for m in (1, 2, 3, 6, 7, 9, 13, 14, 15, 16)] == [
         [1], [2], [3], [6], [4, 3], [5, 4], [5, 4, 4], [5, 5, 4], [5, 5, 5], [6, 5, 5]]
     assert all(max(split(m)) <= cpu_bf16_gemm.ROWS and sum(split(m)) == m for m in range(1, 300))

@@ -3,6 +3,7 @@ exact one, a row's outputs whatever the other rows, the same bits when numba com
 in float32, padding, and refusals."""
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 
 from apiary.kernels import ops
 from apiary.kernels.errors import KernelError
-from tests.kernels.cases import torch_threads
+from tests.kernels.cases import micro_tiles, torch_threads
 
 
 @pytest.fixture(scope="module")
@@ -135,13 +136,7 @@ def test_an_avx2_build_gives_the_same_bits(gemm, tmp_path) -> None:  # type: ign
 
 def test_rows_go_in_micro_tiles_as_even_as_can_be(gemm) -> None:  # type: ignore[no-untyped-def]
     """No 1- or 2-row micro-tile where a 3-row one can take the rows (each tile widens the weights again)."""
-    def split(m: int) -> list[int]:
-        sizes = []
-        while m:
-            sizes.append(gemm._rows_next.py_func(m, gemm.ROWS))
-            m -= sizes[-1]
-        return sizes
-
+    split = functools.partial(micro_tiles, gemm._rows_next.py_func, gemm.ROWS)
     assert [split(m) for m in (1, 2, 3, 4, 5, 7, 13, 14, 16)] == [
         [1], [2], [3], [4], [3, 2], [4, 3], [4, 3, 3, 3], [4, 4, 3, 3], [4, 4, 4, 4]]
     assert all(max(split(m)) <= gemm.ROWS and sum(split(m)) == m for m in range(1, 300))
