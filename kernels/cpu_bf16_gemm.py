@@ -37,7 +37,8 @@ from numba.extending import intrinsic
 
 from apiary.kernels import huge_pages
 from apiary.kernels.cpu_attention import _as_f32, _close_loop, _data, _open_loop, follow_torch_threads
-from apiary.kernels.cpu_int8_gemm import (GROUP, TILE, _numba_target_features, _prefetch_group, _silu, _splat_word,
+from apiary.kernels.cpu_int8_gemm import (GROUP, TILE, _numba_target_features, _prefetch_group, _rows_next, _silu,
+                                          _splat_word,
                                           _store_rows)
 from apiary.kernels.cpu_layers import _store
 from apiary.kernels.errors import KernelError
@@ -206,15 +207,6 @@ def _micro_tile_of(rows: int):  # type: ignore[no-untyped-def]
 
 _tile_rows, _tile_5, _tile_4, _tile_3, _tile_2, _tile_1 = (_micro_tile_of(rows) for rows in (ROWS, 5, 4, 3, 2, 1))
 
-
-@njit(inline="always")
-def _rows_next(left, most):  # type: ignore[no-untyped-def]
-    """Rows of the next micro-tile when ``left`` rows remain and a tile holds at most ``most``: as few tiles as that
-    allows, as even as can be (14 rows by 6: 5, 5, 4; by 4: 4, 4, 3, 3). Why: a tile of one or two rows keeps few
-    sums in flight and re-reads the weights for few rows, so it costs nearly what a full one does; with 6, 4, 2 and
-    1 only, 9, 11 and 15 rows took 10-13% longer here, and the bf16-held kernel's 3, 7 and 15 rows 9-17% longer
-    (docs/kernels.md)."""
-    return -(-left // -(-left // most))
 
 
 @njit(cache=True, boundscheck=False, nogil=True)

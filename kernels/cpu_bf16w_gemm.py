@@ -35,7 +35,7 @@ from apiary.kernels.cpu_int8_gemm import TILE, _numba_target_features, _prefetch
 from apiary.kernels.errors import KernelError
 
 assert LANES == TILE
-ROWS = 4  # rows per micro-tile at most (``cpu_bf16_gemm._rows_next``: 3, 2 or 1 as well): 4 accumulators of 16 lanes, 8 AVX2 registers
+ROWS = 4  # rows per micro-tile at most (``cpu_int8_gemm._rows_next``): 4 accumulators of 16 lanes, 8 AVX2 registers
 FEATURES = ("avx2", "fma")  # LLVM's names for what the widened products need
 
 __all__ = ["Bound", "HeldBF16", "available", "linear", "pack", "reference"]

@@ -54,7 +54,7 @@ from apiary.kernels.errors import KernelError
 
 GROUP = 64  # inputs per scale, both sides (32: no consistent gain in agreement, twice the float work per vpdpbusd)
 TILE = 16  # outputs per vector: 16 int32 lanes
-# Rows per micro-tile (at most 8: the leftover rows go as 4, 2, 1): 2 x 6 int and 6 float accumulators beside the
+# Rows per micro-tile (at most 8; ``_rows_next`` splits the rows evenly): 2 x 6 int and 6 float accumulators beside the
 # 16 weight vectors LLVM keeps for a group. With 8 rows LLVM spilled float accumulators every group: 30 layers of
 # projections at 256 rows took 113-122 ms against 94-110 with 6 (and with 5), the same at 16 rows.
 ROWS = 6
@@ -436,31 +436,41 @@ def _avx2_micro_tile_of(rows: int):  # type: ignore[no-untyped-def]
     return tile
 
 
-_tile_1, _tile_2, _tile_4, _tile_rows = (_micro_tile_of(rows) for rows in (1, 2, 4, ROWS))
+_tile_1, _tile_2, _tile_3, _tile_4, _tile_5, _tile_rows = (_micro_tile_of(rows) for rows in (1, 2, 3, 4, 5, ROWS))
+
+@njit(inline="always")
+def _rows_next(left, most):  # type: ignore[no-untyped-def]
+    """Rows of the next micro-tile when ``left`` rows remain and a tile holds at most ``most``: as few tiles as that
+    allows, as even as can be (14 rows by 6: 5, 5, 4; by 4: 4, 4, 3, 3). Why: a tile of one or two rows keeps few
+    sums in flight and re-reads the weights for few rows, so it costs nearly what a full one does; with 6, 4, 2 and
+    1 only, the bf16 kernel's 9, 11 and 15 rows took 10-13% longer here, the bf16-held kernel's 3, 7 and 15 rows 9-17%
+    longer, and this kernel's LM head (49,152 outputs) at 9-15 rows 6-11% longer (docs/kernels.md)."""
+    return -(-left // -(-left // most))
 _avx2_tile_1, _avx2_tile_rows = (_avx2_micro_tile_of(rows) for rows in (1, ROWS_AVX2))
 
 
 @njit(inline="always", boundscheck=False)
 def _tiles(m, t, ahead, out, q, packed, wscales, scale, corr):  # type: ignore[no-untyped-def]
-    """Output tile ``t`` for all ``m`` rows: micro-tiles of ``ROWS`` rows, then 4, 2 and 1 for what is left."""
+    """Output tile ``t`` for all ``m`` rows, in micro-tiles of at most ``ROWS`` rows (``_rows_next``)."""
     n, groups = out.shape[1], wscales.shape[1]
     w_at, s_at = t * packed.shape[1] * TILE * 4, t * groups * TILE
     m0 = 0
-    while m0 + ROWS <= m:
-        _tile_rows(out, m0 * n + t * TILE, n, q, m0 * groups * GROUP, packed, w_at, ahead, wscales, s_at, scale, corr,
-                m0 * groups, groups)
-        m0 += ROWS
-    if m - m0 >= 4:
-        _tile_4(out, m0 * n + t * TILE, n, q, m0 * groups * GROUP, packed, w_at, ahead, wscales, s_at, scale, corr,
-                m0 * groups, groups)
-        m0 += 4
-    if m - m0 >= 2:
-        _tile_2(out, m0 * n + t * TILE, n, q, m0 * groups * GROUP, packed, w_at, ahead, wscales, s_at, scale, corr,
-                m0 * groups, groups)
-        m0 += 2
-    if m - m0 == 1:
-        _tile_1(out, m0 * n + t * TILE, n, q, m0 * groups * GROUP, packed, w_at, ahead, wscales, s_at, scale, corr,
-                m0 * groups, groups)
+    while m0 < m:
+        take = _rows_next(m - m0, ROWS)
+        at_out, at_q, at_scale = m0 * n + t * TILE, m0 * groups * GROUP, m0 * groups
+        if take == ROWS:
+            _tile_rows(out, at_out, n, q, at_q, packed, w_at, ahead, wscales, s_at, scale, corr, at_scale, groups)
+        elif take == 5:
+            _tile_5(out, at_out, n, q, at_q, packed, w_at, ahead, wscales, s_at, scale, corr, at_scale, groups)
+        elif take == 4:
+            _tile_4(out, at_out, n, q, at_q, packed, w_at, ahead, wscales, s_at, scale, corr, at_scale, groups)
+        elif take == 3:
+            _tile_3(out, at_out, n, q, at_q, packed, w_at, ahead, wscales, s_at, scale, corr, at_scale, groups)
+        elif take == 2:
+            _tile_2(out, at_out, n, q, at_q, packed, w_at, ahead, wscales, s_at, scale, corr, at_scale, groups)
+        else:
+            _tile_1(out, at_out, n, q, at_q, packed, w_at, ahead, wscales, s_at, scale, corr, at_scale, groups)
+        m0 += take
 
 
 @njit(inline="always", boundscheck=False)

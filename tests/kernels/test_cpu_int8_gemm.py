@@ -65,10 +65,20 @@ def test_activations_quantize_per_64_inputs(gemm) -> None:  # type: ignore[no-un
     assert ((back - x).abs() <= scale.repeat_interleave(64, dim=1)[:, :100] / 2 + 1e-6).all()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 8, 9, 16, 17, 64])
+@pytest.mark.parametrize("rows", [7, 9, 13, 14, 15, 16])
+def test_each_row_alone_is_the_row_in_the_batch(gemm, kernel: str, rows: int) -> None:  # type: ignore[no-untyped-def]
+    """A row's activations are quantized alone and its sums are its own, whatever micro-tile it lands in."""
+    g = torch.Generator().manual_seed(rows)
+    packed = gemm.quantize_weight(torch.randn(96, 576, generator=g) * 0.05)
+    x = torch.randn(rows, 576, generator=g).bfloat16()
+    batch = gemm.linear(x, packed, kernel=kernel)
+    assert torch.equal(torch.cat([gemm.linear(x[i:i + 1], packed, kernel=kernel) for i in range(rows)]), batch)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 8, 9, 14, 16, 17, 64])
 @pytest.mark.parametrize("shape", [(16, 64), (40, 100), (96, 576), (48, 1536)])
 def test_the_product_is_its_reference(gemm, kernel: str, rows: int, shape: tuple[int, int]) -> None:  # type: ignore[no-untyped-def]
-    """Every micro-tile height (VNNI: 6 rows, then 4, 2 and 1 for what is left; AVX2: 2, then 1), N and K with and
+    """Every micro-tile height (VNNI: 1 to 6 rows, the rows split evenly; AVX2: 2, then 1), N and K with and
     without padding: float32 output equals the float64 reference up to float32 accumulation."""
     n, k = shape
     g = torch.Generator().manual_seed(rows * 1000 + n)
