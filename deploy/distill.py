@@ -396,7 +396,9 @@ def load_teacher(cfg: DistillConfig) -> LlamaForTraining:
     teacher, _ = load_model(cfg.teacher)
     if cfg.teacher_adapter is not None:
         with torch.no_grad():
-            merge(dict(teacher.state_dict()), cfg.teacher_adapter, cfg.teacher)
+            weights = dict(teacher.state_dict())
+            merge(weights, cfg.teacher_adapter, cfg.teacher)  # replaces the targets' entries with merged tensors
+            teacher.load_state_dict(weights)
     return teacher
 
 

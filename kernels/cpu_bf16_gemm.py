@@ -38,8 +38,7 @@ from numba.extending import intrinsic
 from apiary.kernels import huge_pages
 from apiary.kernels.cpu_attention import _as_f32, _close_loop, _data, _open_loop, follow_torch_threads
 from apiary.kernels.cpu_int8_gemm import (GROUP, TILE, _numba_target_features, _prefetch_group, _rows_next, _silu,
-                                          _splat_word,
-                                          _store_rows)
+                                          _splat_word, _store_rows)
 from apiary.kernels.cpu_layers import _store
 from apiary.kernels.errors import KernelError
 
@@ -206,7 +205,6 @@ def _micro_tile_of(rows: int):  # type: ignore[no-untyped-def]
 
 
 _tile_rows, _tile_5, _tile_4, _tile_3, _tile_2, _tile_1 = (_micro_tile_of(rows) for rows in (ROWS, 5, 4, 3, 2, 1))
-
 
 
 @njit(cache=True, boundscheck=False, nogil=True)

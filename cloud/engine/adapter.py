@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from apiary.cloud.engine import host_memory
 from apiary.cloud.engine.errors import EngineError
 
 CONFIG_FILE = "adapter_config.json"
@@ -77,7 +78,8 @@ def file_sha256(path: str | Path) -> str:
 
 
 def merge(weights: dict[str, torch.Tensor], folder: str | Path, base_path: str | Path | None = None) -> AdapterConfig:
-    """Add the adapter in ``folder`` to ``weights`` (float32, in place); EngineError if it does not fit
+    """Add the adapter in ``folder`` to ``weights`` (float32): each target's entry is replaced by a new, merged tensor
+    (the checkpoint's own tensors are not written); EngineError if it does not fit
     (or, when both are known, was tuned on another base file than ``base_path``)."""
     from safetensors.torch import load_file
 
@@ -90,6 +92,7 @@ def merge(weights: dict[str, torch.Tensor], folder: str | Path, base_path: str |
         tensors = load_file(str(Path(folder).expanduser() / WEIGHTS_FILE))
     except (OSError, ValueError) as e:
         raise EngineError(f"adapter {folder}: cannot read {WEIGHTS_FILE}: {e}") from None
+    pages = host_memory.FilePages([weights[n + ".weight"] for n in config.targets if n + ".weight" in weights])
     for name in config.targets:
         w = weights.get(name + ".weight")
         a, b = tensors.get(name + ".lora_A"), tensors.get(name + ".lora_B")
@@ -98,5 +101,9 @@ def merge(weights: dict[str, torch.Tensor], folder: str | Path, base_path: str |
         if a.shape != (config.rank, w.shape[1]) or b.shape != (w.shape[0], config.rank):
             raise EngineError(f"adapter {folder}: {name} has A {tuple(a.shape)} and B {tuple(b.shape)}, "
                               f"which do not fit a {tuple(w.shape)} weight at rank {config.rank}")
-        w += config.scale * (b.float() @ a.float())
+        # a new tensor, not ``w +=``: the checkpoint cache maps its file, and a write would make private copies of
+        # those pages, which the model could then not drop once it has copied them (``host_memory.FilePages``); the
+        # mapped original's pages are dropped here, as the model drops those it copies
+        weights[name + ".weight"] = w + config.scale * (b.float() @ a.float())
+        pages.release(w)
     return config

@@ -79,7 +79,7 @@ def return_freed_memory() -> bool:
 class FilePages:
     """Lets a model drop the pages of checkpoint tensors it has copied, where that loses nothing.
 
-    Why: the checkpoint cache maps its float32 safetensors file (540 MB for SmolLM2) and every page the
+    Why: the checkpoint cache maps its float32 safetensors file (538 MB for SmolLM2) and every page the
     conversion to bf16 reads stays resident in this process until the checkpoint is dropped, after the engine's
     warm-up: the peak of an engine's load. ``release`` tells the kernel it may drop a tensor's pages
     (``MADV_DONTNEED``), but only inside a private file mapping that holds no private copies (smaps' ``Anonymous``
@@ -99,7 +99,6 @@ class FilePages:
         except OSError:
             return
         span: tuple[int, int] | None = None
-        private_file = False
         for line in text.splitlines():
             head, _, rest = line.partition(" ")
             if "-" in head and not head.endswith(":"):

@@ -259,10 +259,14 @@ def test_real_model_bfloat16_decodes_its_layers_in_one_call(real_bf16_engine: LL
                     reason="pages are dropped with glibc's madvise, counted from Linux's smaps")
 def test_real_model_bf16_load_drops_the_mapped_checkpoints_pages(gguf_path: Path, tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """The float32 checkpoint the cache maps (513 MB for SmolLM2) is resident only while each tensor is copied: it
-    was the peak of an engine's load, and a bf16 model built from it holds its own weights."""
+    """The float32 checkpoint the cache maps (538 MB for SmolLM2) is resident only while each tensor is copied: it
+    was the peak of an engine's load, and a bf16 model built from it holds its own weights. With the shipped teacher
+    adapter merged first, as ``apiary cloud serve`` serves by default: merging writes no page of the mapping (a
+    written page could not be dropped), and the model holds the merged weights."""
+    from apiary.cloud.engine import adapter
     from apiary.cloud.engine.loader import load_checkpoint
     from apiary.cloud.engine.model import LlamaModel
+    from apiary.shared import assets
 
     monkeypatch.setenv("APIARY_CHECKPOINT_CACHE", str(tmp_path))
     load_checkpoint(gguf_path)  # read and stored
@@ -270,12 +274,21 @@ def test_real_model_bf16_load_drops_the_mapped_checkpoints_pages(gguf_path: Path
     probe = checkpoint.weights["model.layers.0.mlp.down_proj.weight"]
     mapping = huge_pages.mapping_of(probe.data_ptr())
     assert mapping, "the cached checkpoint is not a mapping of its own"
+    mapped = dict(checkpoint.weights)
+    lora = adapter.merge(checkpoint.weights, assets.shipped("sensor-teacher-lora"), gguf_path)
+    target = lora.targets[0] + ".weight"
+    assert checkpoint.weights[target] is not mapped[target]  # a merged copy; the mapped tensor is left as it was
     model = LlamaModel(checkpoint.config, checkpoint.weights, torch.device("cpu"), torch.bfloat16, max_positions=256)
     resident = int(huge_pages.mapping_of(probe.data_ptr())["Rss"].split()[0]) << 10
-    size = sum(t.numel() * t.element_size() for t in checkpoint.weights.values())
+    size = sum(t.numel() * t.element_size() for t in mapped.values())
     assert resident < size // 50, (resident, size)  # a few edge pages and the small norms, not the tensors
-    assert torch.equal(model.layers[0].down.weight, probe.bfloat16())  # the copies were made before the drop
-    assert torch.equal(checkpoint.weights["model.layers.0.mlp.down_proj.weight"], probe)  # read back from the file
+    assert torch.equal(model.layers[0].down.weight, checkpoint.weights["model.layers.0.mlp.down_proj.weight"].bfloat16())
+    layer, name = int(target.split(".")[2]), target.split(".")[-2]
+    merged = checkpoint.weights[target].bfloat16()
+    held = {"q_proj": model.layers[layer].qkv.weight[: merged.shape[0]], "o_proj": model.layers[layer].o_proj.weight,
+            "down_proj": model.layers[layer].down.weight}.get(name)
+    assert held is None or torch.equal(held, merged)  # the model holds the merged weight
+    assert not torch.equal(mapped[target].bfloat16(), merged)  # which the adapter changed
 
 
 @pytest.mark.slow
