@@ -440,11 +440,14 @@ _tile_1, _tile_2, _tile_3, _tile_4, _tile_5, _tile_rows = (_micro_tile_of(rows) 
 
 @njit(inline="always")
 def _rows_next(left, most):  # type: ignore[no-untyped-def]
-    """Rows of the next micro-tile when ``left`` rows remain and a tile holds at most ``most``: as few tiles as that
-    allows, as even as can be (14 rows by 6: 5, 5, 4; by 4: 4, 4, 3, 3). Why: a tile of one or two rows keeps few
-    sums in flight and re-reads the weights for few rows, so it costs nearly what a full one does; with 6, 4, 2 and
-    1 only, the bf16 kernel's 9, 11 and 15 rows took 10-13% longer here, the bf16-held kernel's 3, 7 and 15 rows 9-17%
-    longer, and this kernel's LM head (49,152 outputs) at 9-15 rows 6-11% longer (docs/kernels.md)."""
+    """Rows of the next micro-tile when ``left`` rows remain and a tile holds at most ``most``: full tiles, then the
+    last three tiles' worth in as few tiles as that allows, as even as can be (14 rows by 6: 5, 5, 4; by 4: 4, 4, 3, 3).
+    Why: a tile of one or two rows keeps few sums in flight and re-reads the weights for few rows, so it costs nearly
+    what a full one does; with 6, 4, 2 and 1 only, the bf16 kernel's 9, 11 and 15 rows took 10-13% longer here, the
+    bf16-held kernel's 3, 7 and 15 rows 9-17% longer, and this kernel's LM head (49,152 outputs) at 9-15 rows 6-11%
+    longer (docs/kernels.md)."""
+    if left > 3 * most:  # full tiles until the last few: two divisions a tile cost prompt chunks 2-5%
+        return most
     return -(-left // -(-left // most))
 _avx2_tile_1, _avx2_tile_rows = (_avx2_micro_tile_of(rows) for rows in (1, ROWS_AVX2))
 
