@@ -20,6 +20,7 @@ same module, where they are packed.
 """
 from __future__ import annotations
 
+import bisect
 import ctypes
 import ctypes.util
 import functools
@@ -106,7 +107,8 @@ class FilePages:
                 fields = rest.split()
                 # "perms offset dev inode path": a named file (not [heap], [stack], anonymous), private
                 private_file = len(fields) >= 5 and fields[0].endswith("p") and fields[4].startswith("/")
-                span = (lo, hi) if private_file and any(lo <= a < hi for a in addresses) else None
+                at = bisect.bisect_left(addresses, lo)  # the first tensor at or after the mapping's start
+                span = (lo, hi) if private_file and at < len(addresses) and addresses[at] < hi else None
             elif span is not None and head == "Anonymous:":
                 if rest.split()[0] == "0":
                     self.clean.append(span)
