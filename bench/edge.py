@@ -487,7 +487,7 @@ def command(
     cloud_dtype: str = typer.Option("float32", help="cloud engine dtype (float32 | bfloat16)"),
     cloud_weights: str = typer.Option("dtype", help="cloud engine's decoder weights: dtype | int8 (W8A8) | bf16 (held "
                                                     "in bf16, float32 sums) | auto"),
-    cloud_kv_cache_dtype: str = typer.Option("auto", help="cloud engine's KV cache rows: auto (= dtype) | int8"),
+    cloud_kv_cache_dtype: str = typer.Option("auto", help="cloud engine's KV cache rows: auto | dtype | bf16 | int8"),
     cloud_max_tokens: int = typer.Option(128, help="max tokens per cloud answer"),
     skip_cloud: bool = typer.Option(False, help="edge only (no cloud engine)"),
     thread_prompts: int = typer.Option(6, help="prompts for the 1-vs-2 thread comparison (0: skip)"),

@@ -40,12 +40,12 @@ WORDS = ("hive colony brood queen worker drone nectar pollen honey comb frame wa
          "entrance guard robbing varroa mite inspection super winter spring summer autumn beekeeper smoke "
          "the a of and to in is was rose fell steady kg degrees percent alert normal check report hive7 "
          "12 3.5 2024 why how when colony's bees' calm busy loud quiet").split()
-SYSTEMS = ("engine", "engine-torch-attn", "engine-fp32", "engine-bf16w", "engine-int8", "engine-int8-fp32", "engine-kv8",
-           "engine-ngram", "engine-bs1", "hf",
-           "llama-cpp", "llama-server", "llama-server-ngram", "cloud-http", "cloud-http-bf16w", "cloud-http-int8",
-           "cloud-http-kv8", "cloud-http-ngram")
-HTTP_SYSTEMS = ("llama-server", "llama-server-ngram", "cloud-http", "cloud-http-bf16w", "cloud-http-int8", "cloud-http-kv8",
-                "cloud-http-ngram")
+SYSTEMS = ("engine", "engine-torch-attn", "engine-fp32", "engine-bf16w", "engine-bf16w-kv32", "engine-int8",
+           "engine-int8-fp32", "engine-kv8", "engine-ngram", "engine-bs1", "hf",
+           "llama-cpp", "llama-server", "llama-server-ngram", "cloud-http", "cloud-http-dtype-kv", "cloud-http-bf16w",
+           "cloud-http-int8", "cloud-http-kv8", "cloud-http-ngram")
+HTTP_SYSTEMS = ("llama-server", "llama-server-ngram", "cloud-http", "cloud-http-dtype-kv", "cloud-http-bf16w",
+                "cloud-http-int8", "cloud-http-kv8", "cloud-http-ngram")
 
 
 @dataclass(slots=True)
@@ -234,7 +234,7 @@ FLOOR_DTYPES = {"engine": None, "engine-torch-attn": None, "engine-ngram": None,
                 "cloud-http-ngram": None,
                 "cloud-http-int8": None, "engine-kv8": None, "engine-int8": "int8",
                 "engine-fp32": "float32", "engine-bs1": "float32", "engine-int8-fp32": "float32", "engine-bf16w": "float32",
-                "cloud-http-bf16w": None}
+                "engine-bf16w-kv32": "float32", "cloud-http-bf16w": None, "cloud-http-dtype-kv": None}
 
 
 def matmul_floors(results: dict[str, Result], engines: dict[str, Any], dtype: str, work: list[Request],
@@ -274,7 +274,7 @@ def matmul_floors(results: dict[str, Result], engines: dict[str, Any], dtype: st
 
 # HTTP systems whose server holds its weights as this process's default engine does (their decode roofline needs
 # the bytes per parameter; the int8 and bf16-weight servers' are left out: their decode column shows no roofline)
-SERVED_AS_DEFAULT = ("cloud-http", "cloud-http-kv8", "cloud-http-ngram")
+SERVED_AS_DEFAULT = ("cloud-http", "cloud-http-dtype-kv", "cloud-http-kv8", "cloud-http-ngram")
 
 
 def step_floors(mc: Any, kinds: dict[str, float], gflops: float, gbps: float,
@@ -348,7 +348,7 @@ def command(
                                  "or pass --llama-server with the path of a build", param_hint="--llama-server")
     int8_systems = [s for s in chosen if s.startswith("engine-int8") or s == "cloud-http-int8"]
     in_process_int8 = any(s.startswith("engine-int8") for s in chosen)
-    if (in_process_int8 or "engine-bf16w" in chosen
+    if (in_process_int8 or any(s.startswith("engine-bf16w") for s in chosen)
             or numba_runs_projections(EngineConfig(model_path="-", dtype=dtype))):
         # numba's pool is per process and chosen at its first parallel loop (the probe below): an engine whose
         # projections numba runs (int8, or bf16 through the vdpbf16ps kernel; the run always builds a `--dtype`
@@ -406,7 +406,13 @@ def command(
             res.detail = f"continuous batching, float32, max_num_seqs={max_num_seqs}, budget={budget}"
         elif system == "engine-bf16w":  # float32 with bf16-held weights: the speed path for CPUs without native bf16
             res = run_engine(engines.setdefault("bf16w", engine_for("float32", weights="bf16")), work, max_num_seqs)
-            res.detail = "continuous batching, float32, weights held in bf16 (kernels/cpu_bf16w_gemm.py)"
+            res.detail = ("continuous batching, float32, weights held in bf16 (kernels/cpu_bf16w_gemm.py), "
+                          f"{engines['bf16w'].runner.kv_pool.dtype} KV rows".replace("torch.", ""))
+        elif system == "engine-bf16w-kv32":  # the same with float32 KV rows: the A/B for its bf16 rows ("auto")
+            res = run_engine(engines.setdefault("bf16w-kv32", engine_for("float32", weights="bf16",
+                                                                         kv_cache_dtype="dtype")), work, max_num_seqs)
+            res.detail = ("continuous batching, float32, weights held in bf16, float32 KV rows "
+                          f"({kv_tokens('bf16w-kv32')} tokens in 2 GiB)")
         elif system == "engine-int8":  # W8A8 projections (cloud.engine.int8), activations in --dtype
             res = run_engine(engines.setdefault("int8", engine_for(dtype, weights="int8")), work, max_num_seqs)
             res.detail = f"continuous batching, int8 weights (W8A8), {resolved('int8')} activations"

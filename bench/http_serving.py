@@ -234,8 +234,10 @@ def run_http(server: Server, work: Sequence[Any], concurrency: int) -> HttpRun:
     return HttpRun(wall, counts, ttfts, peak_rss_mb(server.pid), cpu)
 
 
-# the cloud-http systems: `apiary cloud serve` as operators start it, and with bf16-held or int8 weights or int8 KV cache
-CLOUD_OPTIONS: dict[str, tuple[str, ...]] = {"cloud-http": (), "cloud-http-bf16w": ("--weights", "bf16"),
+# the cloud-http systems: `apiary cloud serve` as operators start it; with KV rows in its dtype (where `auto` keeps
+# bf16 rows under float32: the A/B for them); with bf16-held or int8 weights or int8 KV cache
+CLOUD_OPTIONS: dict[str, tuple[str, ...]] = {"cloud-http": (), "cloud-http-dtype-kv": ("--kv-cache-dtype", "dtype"),
+                                             "cloud-http-bf16w": ("--weights", "bf16"),
                                              "cloud-http-int8": ("--weights", "int8"),
                                              "cloud-http-kv8": ("--kv-cache-dtype", "int8"),
                                              "cloud-http-ngram": ("--speculative", "ngram")}

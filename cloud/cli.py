@@ -39,8 +39,10 @@ def serve(
                                  "auto: bf16 where dtype auto is float32 on a CPU (no native bf16) [auto]"),
     head: Optional[str] = typer.Option(None, help="LM head: auto (bf16 and int8 engines on CPU rank in int8, the "
                                                   "logits that can win exact) | dtype [auto]"),
-    kv_cache_dtype: Optional[str] = typer.Option(None, help="KV cache rows: auto (= dtype) | int8 (per-token "
-                                                            "scales, CPU: ~2x the tokens of bf16) [auto]"),
+    kv_cache_dtype: Optional[str] = typer.Option(None, help="KV cache rows: auto (bf16 where the weights are held "
+                                                            "in bf16 for float32 rows, else = dtype) | dtype | bf16 "
+                                                            "(CPU under float32) | int8 (per-token scales, CPU: ~2x the "
+                                                            "tokens of bf16) [auto]"),
     worker_id: Optional[str] = typer.Option(None, help="this process's MQTT client id / worker name"),
     speculative: Optional[str] = typer.Option(None, help="speculative decoding: off | ngram | draft [off]"),
     draft_model: Optional[str] = typer.Option(None, help="draft checkpoint for --speculative draft "

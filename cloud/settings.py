@@ -75,8 +75,10 @@ class CloudSettings(BaseModel):
     # the LM head: auto ranks in int8 with the logits that can win exact, for bf16, int8 and bf16-weight engines on CPU
     # (docs/engine.md "The LM head ranks in int8"); dtype: in `dtype`
     head: Literal["auto", "dtype"] = "auto"
-    # KV cache rows: in `dtype`, or int8 with per-token scales (CPU only; docs/engine.md "int8 KV cache")
-    kv_cache_dtype: Literal["auto", "int8"] = "auto"
+    # KV cache rows: auto (bf16 where `weights` resolved to bf16-held under float32 rows, else `dtype`), in `dtype`, in
+    # bf16 (CPU only under float32; docs/engine.md "bf16 KV rows under float32"), or int8 with per-token scales (CPU
+    # only; docs/engine.md "int8 KV cache")
+    kv_cache_dtype: Literal["auto", "dtype", "bf16", "int8"] = "auto"
     # on CUDA, decode steps replay captured graphs (docs/engine.md "CUDA graphs"); false: every step eager
     cuda_graphs: bool = True
     kv_cache_mb: int = Field(default=512, ge=1)

@@ -249,7 +249,7 @@ def run(stack: LayerStack, x: np.ndarray, residual: np.ndarray | None, pool: np.
         scale: np.float32, window: int, eps: np.float32) -> tuple[np.ndarray, np.ndarray]:
     """The stack's layers over numpy views a caller checked (``cpu_layers.CpuStep.stacked_layers``):
     ``x``/``residual`` ``[T, H]`` (bf16 as int16 bits; no residual before a model's first layer), ``pool [layers, 2,
-    blocks, block_size, Hkv, D]`` of ``x``'s dtype, one decode row per token. Returns new ``(x, residual)`` arrays."""
+    blocks, block_size, Hkv, D]`` of ``x``'s dtype (or bf16 under float32 rows), one decode row per token. Returns new ``(x, residual)`` arrays."""
     if stack.gemm == BF16 and x.dtype != np.int16:
         raise KernelError("cpu_decode_layers.run: a bf16 stack takes bf16 rows")
     if stack.gemm == BF16W and x.dtype != np.float32:

@@ -212,7 +212,7 @@ def _rotary_row(qkv, num_heads, num_kv_heads, positions, cos_sin, q_out, k_rows,
                 k_rows[slot, h, half + j] = _store(k_rows, b * c + a * s)
             base = (num_heads + num_kv_heads + h) * dim
             for j in range(dim):
-                v_rows[slot, h, j] = qkv[t, base + j]
+                v_rows[slot, h, j] = _store(v_rows, _as_f32(qkv[t, base + j]))
 
 
 @njit(fastmath=FASTMATH, cache=True, boundscheck=False, nogil=True)
@@ -378,12 +378,12 @@ class CpuStep:
         decode = self._decode
         _require(decode is not None and self._kv is None and decode.tables.shape[0] == x.shape[0],
                  lambda: "stacked_layers takes a step of decode rows only, over a float cache")
-        _require(pool.dim() == 6 and pool.is_contiguous() and pool.dtype == x.dtype and pool.shape[1] == 2
+        _require(pool.dim() == 6 and pool.is_contiguous() and pool.dtype in (x.dtype, torch.bfloat16) and pool.shape[1] == 2
                  and tuple(pool.shape[4:]) == (self.num_kv_heads, self.head_dim)
                  and stack.first + stack.count <= pool.shape[0] and x.is_contiguous()
                  and (residual is None or (residual.is_contiguous() and residual.shape == x.shape)),
                  lambda: f"stacked_layers takes a contiguous [layers, 2, blocks, block_size, {self.num_kv_heads}, "
-                         f"{self.head_dim}] pool of the rows' dtype, got {tuple(pool.shape)} {pool.dtype}")
+                         f"{self.head_dim}] pool of the rows' dtype or bf16, got {tuple(pool.shape)} {pool.dtype}")
         out, summed = cpu_decode_layers.run(stack, _np(x), None if residual is None else _np(residual), _np(pool),
                                             self.num_heads, self.positions, self.cos_sin, self.slots, decode.tables,
                                             decode.lens, decode.scale, decode.window, self.eps)

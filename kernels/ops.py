@@ -191,11 +191,16 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Te
     return True
 
 
+def reads_cache(query: torch.dtype, cache: torch.dtype) -> bool:
+    """Whether queries of dtype ``query`` may attend over a cache of ``cache`` rows: its own dtype, int8 (with scales),
+    or float32 queries over bf16 rows (``EngineConfig(kv_cache_dtype="bf16")``: the kernels widen each row, exactly)."""
+    return cache in (query, torch.int8) or (query == torch.float32 and cache == torch.bfloat16)
+
+
 def _check_attention(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                      batch: int, scale: float, sliding_window: int | None) -> None:
     _check_tensor("q", q, 3, float_=True)
-    _check(q.dtype == k_cache.dtype or k_cache.dtype == torch.int8,
-           lambda: f"q is {q.dtype} but the cache is {k_cache.dtype}")
+    _check(reads_cache(q.dtype, k_cache.dtype), lambda: f"q is {q.dtype} but the cache is {k_cache.dtype}")
     _check(q.shape[2] == k_cache.shape[3], lambda: f"q head_dim {q.shape[2]} != cache head_dim {k_cache.shape[3]}")
     _check(q.shape[1] % k_cache.shape[2] == 0,
            lambda: f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k_cache.shape[2]})")
@@ -269,6 +274,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, float(scale),
                                                     sliding_window, k_scale, v_scale)
     if chosen == "triton":
+        _check(q.dtype == k_cache.dtype, lambda: f"the Triton kernels read caches of the queries' dtype, not "
+                                                 f"{k_cache.dtype} under {q.dtype}")
         kernel = _triton("paged_attention", device)
         return kernel.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, float(scale),
                                              sliding_window)
@@ -297,6 +304,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     device = _check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
                                 cu_seqlens_q=cu_seqlens_q, context_lens=context_lens)
     if not quantized and resolve_backend(device) == "triton":
+        _check(q.dtype == k_cache.dtype, lambda: f"the Triton kernels read caches of the queries' dtype, not "
+                                                 f"{k_cache.dtype} under {q.dtype}")
         kernel = _triton("paged_attention", device)
         return kernel.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
                                               float(scale), sliding_window)
@@ -387,7 +396,7 @@ def cpu_step(tokens: int, hidden: int, num_heads: int, num_kv_heads: int, head_d
     """A CPU forward pass's per-layer kernels checked once (``apiary.kernels.cpu_layers.CpuStep``), or None where
     they do not serve: not the ``auto`` backend, no numba, a non-CPU device, a dtype other than float32/bfloat16,
     or decode attention other than numba's (``decode_backend_name``, see ``decode_backend``). Caches hold
-    ``dtype`` rows, or int8 ones with their ``k_scale``/``v_scale``.
+    ``dtype`` rows, bf16 ones under float32 rows, or int8 ones with their ``k_scale``/``v_scale``.
 
     ``k_cache``/``v_cache``: one layer's caches; the caller guarantees every layer's are alike, and that the
     tensors it hands the step's methods have ``tokens`` rows of ``dtype`` in the layout checked here.
@@ -401,7 +410,7 @@ def cpu_step(tokens: int, hidden: int, num_heads: int, num_kv_heads: int, head_d
         _check_tensor(name, t)
         if t.device.type != "cpu":
             return None
-    if (k_cache.dtype not in (dtype, torch.int8)
+    if (not reads_cache(dtype, k_cache.dtype)
             or decode_backend(k_cache.device, k_cache.dtype, decode_backend_name) != "numba"):
         return None
     quantized = _check_cache(k_cache, v_cache, k_scale, v_scale)

@@ -94,7 +94,8 @@ def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
     """K and V of each sequence as padded tensors ``[B, Hkv, L, D]``.
 
     With ``scales`` (int8 caches) the gathered rows are dequantized to ``dtype``: by torch ops, or by
-    the fused gather the scales name (``Int8Scales.dequantize``, CPU) straight into the buffer below.
+    the fused gather the scales name (``Int8Scales.dequantize``, CPU) straight into the buffer below. Float rows
+    of another dtype (bf16 under float32 queries) are widened to ``dtype``.
 
     One ``index_select`` of head rows straight into SDPA's head-major layout: a single copy, and
     no strided K/V for SDPA to trip over (both measured faster on CPU than gather-then-transpose).
@@ -119,6 +120,8 @@ def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
         k, v = _workspace_kv(k_cache.dtype, n, head_dim)
         torch.index_select(k_cache.view(-1, head_dim), 0, index, out=k)
         torch.index_select(v_cache.view(-1, head_dim), 0, index, out=v)
+    if scales is None and dtype is not None and k.dtype != dtype:  # bf16 rows under float32 queries: widened, exact
+        k, v = k.to(dtype), v.to(dtype)
     return k.view(*rows.shape, head_dim), v.view(*rows.shape, head_dim)
 
 

@@ -11,7 +11,7 @@ from apiary.cloud.engine.spec.config import SpeculativeConfig
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHTS = ("auto", "dtype", "int8", "bf16")
 HEADS = ("auto", "dtype")
-KV_CACHE_DTYPES = ("auto", "int8")
+KV_CACHE_DTYPES = ("auto", "dtype", "bf16", "int8")
 
 
 @dataclass(slots=True)
@@ -31,8 +31,11 @@ class EngineConfig:
     # bf16's rounded logits), and float32 engines with weights="bf16"; float32 engines, the reference, keep theirs.
     # "dtype": the head in ``dtype``
     head: str = "auto"
-    # the KV cache: "auto" stores rows in ``dtype``; "int8" stores int8 rows with per-token, per-head scales
-    # (CPU only: cloud.engine.kv_cache), about 2x the tokens of bf16 and 4x those of float32 per byte
+    # the KV cache: "dtype" stores rows in ``dtype``; "bf16" stores a float32 engine's rows in bf16 (CPU only: half
+    # the bytes decode attention reads, twice the tokens); "int8" stores int8 rows with per-token, per-head scales
+    # (CPU only: cloud.engine.kv_cache), about 2x the tokens of bf16 and 4x those of float32 per byte. "auto": bf16
+    # where the weights are held in bf16 for float32 rows (``weights`` resolved to "bf16", a speed path), else
+    # ``dtype`` (model_runner.resolve_kv_cache)
     kv_cache_dtype: str = "auto"
     block_size: int = 16
     kv_cache_bytes: int | None = None  # KV pool budget; None: 1 GiB on CPU, 90% of free memory on CUDA

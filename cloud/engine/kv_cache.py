@@ -56,7 +56,7 @@ class KVPool:
 
     @property
     def dtype(self) -> torch.dtype:
-        """What a cached row is stored as (int8, or the model's dtype)."""
+        """What a cached row is stored as (int8, bf16 under a float32 engine, or the model's dtype)."""
         return self._parts[0].dtype
 
     def copy_out(self, blocks: list[int]) -> tuple[torch.Tensor, ...]:

@@ -312,7 +312,7 @@ class LlamaModel:
         if stack is None or step is None or meta.num_decode_tokens != t or not t:
             return None
         kv = kv_caches[stack.first]
-        return stack if kv.pool is not None and kv.k_scale is None else None  # a float pool: the model's dtype
+        return stack if kv.pool is not None and kv.k_scale is None else None  # a float pool: the model's dtype or bf16
 
     def _cpu_step(self, t: int, positions: torch.Tensor, meta: AttentionMetadata,
                   kv_caches: list[LayerKV]) -> CpuStep | None:

@@ -54,6 +54,20 @@ def resolve_weights(config: EngineConfig, device: torch.device, dtype: torch.dty
     return "bf16" if held else "dtype"
 
 
+def resolve_kv_cache(config: EngineConfig, device: torch.device, dtype: torch.dtype, weights: str) -> torch.dtype:
+    """What a cached K/V row is stored as: ``torch.int8`` (with scales), bf16 or ``dtype``. ``auto``: bf16 for a float32
+    engine whose weights are held in bf16 (``weights == "bf16"``, the AVX2 hosts' default), ``dtype`` otherwise. Why:
+    such an engine's decode step spent ~14 ms of 41 reading float32 keys and values (30 layers, 14 rows, ~330
+    tokens: 235 MB); from bf16 it reads half, and its rows were products of bf16 weights already. A float32 engine
+    with float32 weights, the correctness reference, keeps float32 rows."""
+    if config.kv_cache_dtype == "int8":
+        return torch.int8
+    if config.kv_cache_dtype == "bf16" or (config.kv_cache_dtype == "auto" and weights == "bf16"
+                                           and dtype == torch.float32 and device.type == "cpu"):
+        return torch.bfloat16
+    return dtype
+
+
 def numba_runs_projections(config: EngineConfig) -> bool:
     """Whether a CPU engine's projections run in numba's kernels (int8 weights, bf16-held ones, or bf16 ones through
     the vdpbf16ps kernel, decided as ``Linear.of`` decides): then numba's loops go to oneTBB's pool (``threads.apply``)."""
@@ -94,6 +108,9 @@ class ModelRunner:
             raise EngineError("kv_cache_dtype='int8' is a CPU path (the numba and torch attention kernels read it, "
                               "Triton's do not); on CUDA leave it 'auto'")
         self.dtype = resolve_dtype(config, self.device)
+        if config.kv_cache_dtype == "bf16" and self.device.type != "cpu" and self.dtype != torch.bfloat16:
+            raise EngineError("kv_cache_dtype='bf16' under a float32 or float16 engine is a CPU path (Triton's "
+                              "kernels read caches of the queries' dtype); on CUDA use dtype bfloat16")
         if self.device.type == "cpu":
             flags = cpu.host_flags()
             log.info("engine dtype %s (asked %s); CPU features: %s; bf16 %s", str(self.dtype).removeprefix("torch."),
@@ -113,16 +130,17 @@ class ModelRunner:
         if self.device.type == "cpu":
             self._refine_head(config)
             log.info("%s", self.model.stack_layers())
-        quantized_kv = config.kv_cache_dtype == "int8"
+        kv_dtype = resolve_kv_cache(config, self.device, self.dtype, self.weights)
+        quantized_kv = kv_dtype == torch.int8
         self.bytes_per_block = config.block_size * bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim,
-                                                                   self.dtype, quantized_kv)
+                                                                   kv_dtype, quantized_kv)
         budget = config.kv_cache_bytes or self._default_kv_bytes()
         self.num_blocks = budget // self.bytes_per_block
         if self.num_blocks < 1:
             raise EngineError(f"kv_cache_bytes={budget} holds no {self.bytes_per_block}-byte block")
         # One allocation for the whole pool (on huge pages where the host allows): per layer, K and V are views.
         self.kv_pool = KVPool(mc.num_layers, self.num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
-                              self.dtype, self.device, quantized_kv)
+                              kv_dtype, self.device, quantized_kv)
         self.kv_caches = self.kv_pool.layers
         log.info("KV cache: %d blocks of %d tokens, %s rows (%d bytes per token)", self.num_blocks, config.block_size,
                  str(self.kv_pool.dtype).removeprefix("torch."), self.bytes_per_block // config.block_size)

@@ -46,7 +46,8 @@ def test_a_tiny_run_with_background_reports_contention_cpu_use_and_features(tmp_
     monkeypatch.chdir(tmp_path)
     app = typer.Typer()
     app.command()(bench_engine.command)
-    result = CliRunner().invoke(app, ["--model", str(model), "--systems", "engine,engine-kv8,engine-ngram,engine-bf16w",
+    result = CliRunner().invoke(app, ["--model", str(model), "--systems",
+                                      "engine,engine-kv8,engine-ngram,engine-bf16w,engine-bf16w-kv32",
                                       "--requests", "3", "--prompt-tokens", "8-16", "--output-tokens", "4-8",
                                       "--threads", "1", "--background", "1", "--dtype", "float32"])
     assert result.exit_code == 0, result.output
@@ -70,6 +71,10 @@ def test_a_tiny_run_with_background_reports_contention_cpu_use_and_features(tmp_
     assert bf16w["system"] == "engine-bf16w" and bf16w["output tok"] == record["rows"][0][1]
     assert "weights held in bf16" in record["systems"]["engine-bf16w"]
     assert record["matmul_floor"]["engine-bf16w"]["dtype"] == "float32"
+    assert record["systems"]["engine-bf16w"].endswith("bfloat16 KV rows")  # kv_cache_dtype auto: bf16 rows for it
+    kv32 = dict(zip(record["columns"], record["rows"][4]))  # ... and the A/B with float32 rows
+    assert kv32["system"] == "engine-bf16w-kv32" and kv32["output tok"] == record["rows"][0][1]
+    assert re.search(r"float32 KV rows \([\d,]+ tokens in 2 GiB\)", record["systems"]["engine-bf16w-kv32"])
     floor = record["matmul_floor"]["engine"]  # bench.floor: its projection FLOPs at this CPU's float32 rate
     assert record["columns"][-4:] == ["matmul floor s", "% of floor", "prompt steps % of floor",
                                       "decode steps % of floor (roofline)"]

@@ -455,9 +455,10 @@ def test_a_bf16_server_decodes_through_its_run_of_layers(tmp_path, keys, gguf_pa
 
 def test_a_bf16_weights_server_decodes_through_its_run_of_layers(tmp_path, keys, gguf_path, monkeypatch):
     """`apiary cloud serve`'s default engine on a CPU without native bf16 (float32 with its projection weights held
-    in bf16, ``weights="bf16"``; asked for here on any host with AVX2 + FMA) behind the REST door: concurrent
-    streamed chats decode through the run of all 30 layers in one call, and answer, token for token and logprob for
-    logprob, what the per-layer path answers once the run is switched off (each row is summed on its own)."""
+    in bf16, ``weights="bf16"``, and so its KV rows in bf16; asked for here on any host with AVX2 + FMA) behind the
+    REST door: concurrent streamed chats decode through the run of all 30 layers in one call, and answer, token for
+    token and logprob for logprob, what the per-layer path answers once the run is switched off (each row is summed
+    on its own)."""
     from apiary.cloud.engine import EngineConfig, LLMEngine
     from apiary.kernels import ops
 
@@ -465,6 +466,7 @@ def test_a_bf16_weights_server_decodes_through_its_run_of_layers(tmp_path, keys,
         pytest.skip("numba does not compile for AVX2 and FMA here: the bf16-weight kernel does not run")
     llm = LLMEngine(EngineConfig(model_path=gguf_path, dtype="float32", weights="bf16", max_num_seqs=4,
                                  kv_cache_bytes=64 << 20))
+    assert llm.runner.kv_pool.dtype == torch.bfloat16
     _answers_the_same_through_the_run_and_without(llm, "bf16w", tmp_path, keys, gguf_path, monkeypatch)
 
 

@@ -28,6 +28,7 @@ def test_bad_values(tmp_path):
     with pytest.raises(CloudError, match="kv_cache_dtype"):
         load_settings(None, kv_cache_dtype="fp8")
     assert load_settings(None, kv_cache_dtype="int8").kv_cache_dtype == "int8"
+    assert load_settings(None, kv_cache_dtype="bf16").kv_cache_dtype == "bf16"
 
 
 def test_model_name_and_resolution(tmp_path):

@@ -235,6 +235,50 @@ def test_ops_serves_cpu_decode_from_this_kernel():
     assert torch.equal(ops.paged_decode_attention(*args, backend="torch"), reference.paged_decode_attention(*args))
 
 
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+def test_float32_queries_attend_over_bf16_rows(backend):
+    """``kv_cache_dtype="bf16"`` under a float32 engine: float32 queries over bf16 caches, one decode row per
+    sequence and query runs (verifications, prompt chunks), through ``ops`` to the numba kernels and the torch
+    reference alike: attention over the rows' values (the float64 oracle of the widened cache), float32 out. (Where
+    the CPU has ``vdpbf16ps`` the numba kernels take the products in bf16, the query rounded: bf16's tolerance.)
+    Queries of another dtype than float32 over bf16 rows are refused."""
+    case = make_case([5, 200, 41, 41, 1], [1] * 5, 9, 3, 64, 16, torch.float32)
+    rows = type(case)(case.q, case.k_cache.bfloat16(), case.v_cache.bfloat16(), case.block_tables,
+                      case.context_lens, case.cu_seqlens_q, case.scale)
+    widened = type(case)(case.q, rows.k_cache.float(), rows.v_cache.float(), case.block_tables, case.context_lens,
+                         case.cu_seqlens_q, case.scale)
+    out = ops.paged_decode_attention(rows.q, rows.k_cache, rows.v_cache, rows.block_tables, rows.context_lens,
+                                     rows.scale, None, backend)
+    assert out.dtype == torch.float32 and out.shape == case.q.shape
+    torch.testing.assert_close(out.double(), dense_attention(widened), **tolerance(torch.bfloat16))
+    assert (out.double() - dense_attention(widened)).abs().max() < (out.double() - dense_attention(case)).abs().max()
+    runs = make_case([40, 17, 100, 9, 300], [5, 1, 9, 9, 300], 9, 3, 64, 16, torch.float32)
+    rows = type(runs)(runs.q, runs.k_cache.bfloat16(), runs.v_cache.bfloat16(), runs.block_tables,
+                      runs.context_lens, runs.cu_seqlens_q, runs.scale)
+    widened = type(runs)(runs.q, rows.k_cache.float(), rows.v_cache.float(), runs.block_tables, runs.context_lens,
+                         runs.cu_seqlens_q, runs.scale)
+    out = _prefill(rows, backend=backend)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), dense_attention(widened), **tolerance(torch.bfloat16))
+    with pytest.raises(KernelError, match="q is torch.float16 but the cache is torch.bfloat16"):
+        ops.paged_decode_attention(case.q.half(), rows.k_cache, rows.v_cache, case.block_tables, case.context_lens,
+                                   case.scale, None, backend)
+
+
+def test_float32_rows_are_written_into_bf16_caches_rounded():
+    """``ops.write_kv`` of float32 rows into bf16 caches: each row rounded as torch's cast rounds (ties to even);
+    skipped slots untouched."""
+    g = torch.Generator().manual_seed(3)
+    key, value = torch.randn(5, 3, 64, generator=g), torch.randn(5, 3, 64, generator=g)
+    k_cache, v_cache = torch.zeros(4, 4, 3, 64, dtype=torch.bfloat16), torch.zeros(4, 4, 3, 64, dtype=torch.bfloat16)
+    slots = torch.tensor([9, 0, -1, 15, 4])
+    ops.write_kv(key, value, k_cache, v_cache, slots)
+    keep = slots >= 0
+    assert torch.equal(k_cache.view(16, 3, 64)[slots[keep]], key[keep].bfloat16())
+    assert torch.equal(v_cache.view(16, 3, 64)[slots[keep]], value[keep].bfloat16())
+    assert int(torch.count_nonzero(k_cache.view(16, -1).abs().sum(-1))) == 4
+
+
 # ---------------------------------------------------------------- query runs (verifications, prompt chunks)
 
 def _prefill(case, window=None, scales=(), backend=None):  # type: ignore[no-untyped-def]

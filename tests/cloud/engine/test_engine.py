@@ -178,11 +178,12 @@ def test_generate_keeps_other_requests_outputs(tiny_llama: Path) -> None:
     assert len([t for o in seen for t in o.new_token_ids]) == 40  # nothing was dropped while generate() ran
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bf16", "int8"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_same_greedy_tokens_alone_batched_cached_and_preempted(tiny_llama: Path, mode: str,
                                                                kv_cache_dtype: str) -> None:
-    """Also with int8 KV rows: their scales travel with them through the prefix cache and swap."""
+    """Also with bf16 rows under this float32 engine, and int8 rows: their scales travel with them through the prefix
+    cache and swap."""
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     texts = [("hive sensor report: " * 4) + t for t in prompts(16, seed=11, max_words=12)]  # shared prefix
     kv = dict(kv_cache_dtype=kv_cache_dtype)

@@ -1,5 +1,5 @@
-"""The KV pool (``cloud.engine.kv_cache``): int8 rows with their scales, what a budget holds, swap copies,
-and the int8 cache's accuracy gate on the real model."""
+"""The KV pool (``cloud.engine.kv_cache``): int8 rows with their scales, bf16 rows under a float32 engine, what a
+budget holds, swap copies, and the int8 cache's accuracy gate on the real model."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -53,6 +53,65 @@ def test_a_budget_holds_nearly_four_times_the_float32_tokens_in_int8(tiny_llama:
     assert ratio == pytest.approx(4 * mc.head_dim / (mc.head_dim + 4), rel=0.02)
     out = engines["int8"].generate(["Queen present", "Hive 7 humidity 62%"], SamplingParams(max_tokens=5,
                                                                                              ignore_eos=True))
+    assert [len(o.output_token_ids) for o in out] == [5, 5]
+
+
+def test_what_a_cached_row_is_stored_as() -> None:
+    """``kv_cache_dtype``: ``auto`` keeps bf16 rows for a float32 engine whose weights are held in bf16 (the AVX2
+    hosts' default, a speed path) and the engine's dtype otherwise (the float32 reference keeps float32 rows);
+    ``dtype``, ``bf16`` and ``int8`` as asked."""
+    from apiary.cloud.engine.model_runner import resolve_kv_cache
+
+    cpu_device = torch.device("cpu")
+
+    def stored(kv: str, dtype: torch.dtype, weights: str) -> torch.dtype:
+        return resolve_kv_cache(EngineConfig(model_path="x.gguf", kv_cache_dtype=kv), cpu_device, dtype, weights)
+
+    assert stored("auto", torch.float32, "bf16") == torch.bfloat16
+    assert stored("auto", torch.float32, "dtype") == torch.float32
+    assert stored("auto", torch.float32, "int8") == torch.float32
+    assert stored("auto", torch.bfloat16, "dtype") == torch.bfloat16
+    assert stored("dtype", torch.float32, "bf16") == torch.float32
+    assert stored("bf16", torch.float32, "dtype") == torch.bfloat16
+    assert stored("int8", torch.float32, "bf16") == torch.int8
+
+
+def test_a_float32_engine_stores_its_rows_in_bf16_where_asked(tiny_llama: Path) -> None:
+    """``kv_cache_dtype="bf16"`` under a float32 engine: half the bytes a token takes in float32 rows, so twice the
+    blocks in a budget; each K/V row is the float32 engine's row rounded to bf16 (compared at the first layer,
+    whose rows the cache does not shape); attention widens the rows, so the numba kernels and the torch reference
+    read the same values; and the logits stay near the float32 rows' ones."""
+    from apiary.kernels import cpu_attention
+    from tests.cloud.engine.conftest import prompt_logits
+
+    def engine(**overrides: object) -> LLMEngine:
+        return LLMEngine(EngineConfig(**{**dict(model_path=tiny_llama, dtype="float32", kv_cache_bytes=4 << 20,
+                                                block_size=8, enable_prefix_caching=False), **overrides}))
+
+    rows32, rows16, reference = engine(), engine(kv_cache_dtype="bf16"), engine(kv_cache_dtype="bf16",
+                                                                                  cpu_attention="torch")
+    assert rows16.runner.kv_caches[0].k.dtype == torch.bfloat16 == reference.runner.kv_caches[0].v.dtype
+    assert rows16.runner.dtype == torch.float32 and rows16.runner.kv_caches[0].k.dtype == torch.bfloat16
+    assert rows16.runner.bytes_per_block * 2 == rows32.runner.bytes_per_block
+    assert rows16.runner.num_blocks == 2 * rows32.runner.num_blocks
+    ids = list(range(3, 43))
+    logits = {}
+    for name, e in (("f32", rows32), ("bf16", rows16), ("reference", reference)):
+        _, logits[name] = prompt_logits(e, ids, use_prefix_cache=False)
+    first = [e.runner.kv_caches[0] for e in (rows32, rows16)]
+    n = len(ids)  # a fresh engine's first request takes blocks 0, 1, ... (``BlockManager``'s free list, in order)
+    for kind in ("k", "v"):
+        theirs, ours = (getattr(kv, kind).flatten(0, 1)[:n] for kv in first)
+        assert torch.equal(ours, theirs.bfloat16()), kind
+    assert logits["bf16"].dtype == torch.float32
+    top = float(logits["f32"].abs().max())
+    if cpu_attention.bf16_dots():  # the numba kernels' products in bf16 (``vdpbf16ps``), the query rounded
+        assert (logits["bf16"] - logits["reference"]).abs().max() < 0.01 * top
+    else:  # the rows widened exactly, float32 products: the reference's numbers up to summation order
+        torch.testing.assert_close(logits["bf16"], logits["reference"], rtol=1e-4, atol=1e-4)
+    assert (logits["bf16"] - logits["f32"]).abs().max() < 0.05 * top
+    assert not torch.equal(logits["bf16"], logits["f32"])  # the rounding reached the logits: the rows were bf16
+    out = rows16.generate(["Queen present", "Hive 7 humidity 62%"], SamplingParams(max_tokens=5, ignore_eos=True))
     assert [len(o.output_token_ids) for o in out] == [5, 5]
 
 

@@ -315,7 +315,8 @@ def test_bf16_weights_hold_a_float32_engines_projections_in_bf16(tmp_path: Path,
     """``weights="bf16"``: a float32 engine's projections hold their weights rounded to bf16 and sum float32 rows in
     float32 (``kernels/cpu_bf16w_gemm.py``), its logits those of the same engine with the rounded weights through
     ``F.linear``; its layers are stacked, and decode steps through the run in one call give the per-layer path's
-    tokens and logprobs exactly. A bf16 engine's weights are bf16 already: the setting changes nothing there."""
+    tokens and logprobs exactly, over float32 KV rows and over the bf16 ones ``kv_cache_dtype="auto"`` keeps for it.
+    A bf16 engine's weights are bf16 already: the setting changes nothing there."""
     from apiary.cloud.engine.int8 import PROJECTIONS
     from apiary.cloud.engine.linear import Linear
 
@@ -323,7 +324,7 @@ def test_bf16_weights_hold_a_float32_engines_projections_in_bf16(tmp_path: Path,
         pytest.skip("numba does not compile for AVX2 and FMA here: the bf16-weight kernel does not run")
     folder = make_checkpoint(tmp_path / "four", "llama", layers=4, hidden=128, heads=4, kv_heads=2, intermediate=256)
     held = LLMEngine(EngineConfig(model_path=folder, dtype="float32", weights="bf16", head="dtype",
-                                  kv_cache_bytes=4 << 20, block_size=8))
+                                  kv_cache_dtype="dtype", kv_cache_bytes=4 << 20, block_size=8))
     plain = LLMEngine(EngineConfig(model_path=folder, dtype="float32", head="dtype", kv_cache_bytes=4 << 20,
                                    block_size=8))
     for mine, theirs in zip(held.runner.model.layers, plain.runner.model.layers):
@@ -349,6 +350,12 @@ def test_bf16_weights_hold_a_float32_engines_projections_in_bf16(tmp_path: Path,
     auto = LLMEngine(EngineConfig(model_path=folder, dtype="float32", weights="bf16", kv_cache_bytes=4 << 20,
                                   block_size=8))
     assert isinstance(auto.runner.model.head, int8.RefinedHead) == (int8.gemm_choice().backend == "grouped")
+    # kv_cache_dtype="auto": a speed path keeps bf16 rows, and the run of layers reads and writes them
+    assert auto.runner.kv_pool.dtype == torch.bfloat16 and auto.runner.model.layer_stack is not None
+    fused, layered, calls = decodes_through_the_run(auto, ["Queen present", "Hive 3 lost weight and 2 frames"], 9,
+                                                    monkeypatch)
+    assert calls >= 8
+    assert [(o.output_token_ids, o.logprobs) for o in fused] == [(o.output_token_ids, o.logprobs) for o in layered]
     bf16 = LLMEngine(EngineConfig(model_path=folder, dtype="bfloat16", weights="bf16", kv_cache_bytes=4 << 20,
                                   block_size=8))
     assert all(getattr(layer, name).takes in (None, torch.bfloat16) for layer in bf16.runner.model.layers
@@ -377,8 +384,10 @@ def test_auto_weights_are_bf16_where_auto_is_float32_on_a_cpu(tmp_path: Path, mo
     engine = LLMEngine(EngineConfig(model_path=folder, kv_cache_bytes=4 << 20, block_size=8))
     assert engine.runner.dtype == torch.float32 and engine.runner.weights == "bf16"
     assert engine.runner.model.layers[0].qkv.takes == torch.float32
+    assert engine.runner.kv_pool.dtype == torch.bfloat16  # and its KV rows in bf16 (model_runner.resolve_kv_cache)
     kept = LLMEngine(EngineConfig(model_path=folder, dtype="float32", kv_cache_bytes=4 << 20, block_size=8))
     assert kept.runner.weights == "dtype" and kept.runner.model.layers[0].qkv.weight.dtype == torch.float32
+    assert kept.runner.kv_pool.dtype == torch.float32
 
 
 @pytest.mark.slow
@@ -386,14 +395,17 @@ def test_auto_weights_are_bf16_where_auto_is_float32_on_a_cpu(tmp_path: Path, mo
 def test_real_model_bf16_weights_track_float32_and_do_not_depend_on_the_batch(gguf_path: Path,
                                                                                gate_references: list) -> None:
     """SmolLM2 as a float32 engine with its projection weights held in bf16 (``weights="bf16"``, the speed path for
-    CPUs without native bf16): on the int8 gates' 428 teacher-forced positions it picks the fp32 engine's token at
-    least 98% of the time (measured 99.5%), and each row is summed on its own, so a request answers the same alone
-    or batched, token for token and logprob for logprob (the float32 engine through sgemm does not)."""
+    CPUs without native bf16) and, as ``kv_cache_dtype="auto"`` keeps for it, its KV rows in bf16: on the int8
+    gates' 428 teacher-forced positions it picks the fp32 engine's token at least 98% of the time (measured 99.5%,
+    the same as with float32 rows; bf16 rows alone under float32 weights: 99.8%), and each row is summed on its
+    own, so a request answers the same alone or batched, token for token and logprob for logprob (the float32
+    engine through sgemm does not)."""
     from tests.cloud.engine.test_int8 import teacher_forced_agreement
 
     if not ops.bf16w_gemm_available():
         pytest.skip("numba does not compile for AVX2 and FMA here: the bf16-weight kernel does not run")
     engine = LLMEngine(EngineConfig(model_path=gguf_path, dtype="float32", weights="bf16", kv_cache_bytes=64 << 20))
+    assert engine.runner.kv_pool.dtype == torch.bfloat16
     agreement, positions = teacher_forced_agreement(gate_references, engine)
     assert positions > 400 and agreement >= 0.98, agreement
     prompts = [PROMPT, "Queen present", "Hive 3 lost weight", "Sensor 7 reports humidity 62% and a weight gain"]
@@ -477,7 +489,7 @@ def _check_cpu_steps_match_per_call_ops(engine: Callable[[], LLMEngine], monkeyp
     assert fast == _run_mixed_steps(engine())
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bf16", "int8"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["tiny_llama", "tiny_qwen2"])
 def test_cpu_steps_compute_what_the_per_call_ops_do(name: str, dtype: str, kv_cache_dtype: str,
@@ -485,8 +497,8 @@ def test_cpu_steps_compute_what_the_per_call_ops_do(name: str, dtype: str, kv_ca
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The CPU forward with its small ops checked once per pass (``kernels.ops.cpu_step``) generates the very
     tokens and logprobs (float equality) of the forward that calls ``kernels.ops`` per op: Llama, and Qwen2's
-    q/k/v biases, in float32 and bf16, float and int8 KV rows, over steps mixing decode rows, prefill chunks and
-    chunked prefill."""
+    q/k/v biases, in float32 and bf16, KV rows in the engine's dtype, in bf16 (under float32 rows too) and in int8,
+    over steps mixing decode rows, prefill chunks and chunked prefill."""
     folder = request.getfixturevalue(name)
     _check_cpu_steps_match_per_call_ops(lambda: LLMEngine(EngineConfig(
         model_path=folder, dtype=dtype, kv_cache_bytes=4 << 20, block_size=8, max_num_batched_tokens=24,
