@@ -91,6 +91,27 @@ def _data(context, builder, array_type, array):  # type: ignore[no-untyped-def]
 LANES = 16  # one AVX-512 register of float32: the varlen kernel pads each KV head's query rows to a multiple
 
 
+def _numba_target_features() -> dict[str, bool]:
+    """The CPU features numba compiles for: ``NUMBA_CPU_FEATURES`` where the operator set it (``+a,-b``),
+    else LLVM's view of the host (what numba itself passes to LLVM)."""
+    if numba.config.CPU_FEATURES:
+        return {name[1:]: name[0] == "+" for name in numba.config.CPU_FEATURES.split(",") if name[:1] in "+-"}
+    from llvmlite import binding
+
+    return dict(binding.get_host_cpu_features())
+
+
+@functools.cache
+def _vector_registers() -> int:
+    """How many ``LANES``-lane float32 vectors the registers of the CPU numba compiles for hold: 32 with AVX-512 (32
+    zmm), 8 without (AVX2's 16 ymm, two to a vector). The weighted sums keep as many accumulators as fit (see
+    ``_lane_sums``): 16 vectors of sums are 32 ymm on AVX2, and LLVM spilled them, a load and a store per FMA."""
+    try:
+        return 32 if _numba_target_features().get("avx512f", False) else 8
+    except Exception:  # noqa: BLE001 - no feature query: assume the narrow registers (correct either way)
+        return 8
+
+
 def _splat(builder, x):  # type: ignore[no-untyped-def]
     """A float32 broadcast to all ``LANES`` lanes of a vector."""
     i32, vec = ir.IntType(32), ir.VectorType(ir.FloatType(), LANES)
@@ -188,11 +209,17 @@ def _store_vectors(builder, data, at, vectors):  # type: ignore[no-untyped-def]
 def _lane_sums(typingctx, out, out_at, p, p_at, p_stride, v, v_at, v_stride, n):  # type: ignore[no-untyped-def]
     """``out.flat[out_at + 16 e : … + 16] = sum_t p.flat[p_at + t * p_stride : … + 16] * v.flat[v_at + t * v_stride
     + e]`` for e < 16, t < n, over C-contiguous float32 arrays: the weighted sums of 16 value elements for 16
-    rows at once, in 16 registers.
+    rows at once, in registers: all 16 in one pass over the tokens with AVX-512, 4 per pass without
+    (``_vector_registers``).
 
-    Why: the weighted sum over tokens, done per row, loads and stores its accumulator on every token.
+    Why: the weighted sum over tokens, done per row, loads and stores its accumulator on every token. Why passes:
+    16 vectors of sums are 32 of AVX2's 16 ymm registers, and LLVM spilled them; in passes of 4 (8 ymm) the sums
+    stay in registers and each pass reloads the 16 probabilities, a load per two FMAs. Each sum adds the same
+    products in the same order either way (bit for bit the same result under the AVX2 rehearsal); prompt attention
+    over 16 prompts of ~410 tokens took 0.75x the time there (docs/kernels.md), and AVX-512 keeps its one pass.
     """
     signature = types.void(out, types.intp, p, types.intp, types.intp, v, types.intp, types.intp, types.intp)
+    per_pass = LANES if _vector_registers() >= 2 * LANES else 4
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
         out_arr, out_at, p_arr, p_at, p_stride, v_arr, v_at, v_stride, count = args
@@ -200,15 +227,16 @@ def _lane_sums(typingctx, out, out_at, p, p_at, p_stride, v, v_at, v_stride, n):
         vec = ir.VectorType(f32, LANES)
         probs = builder.gep(_data(context, builder, sig.args[2], p_arr), [p_at])
         values = builder.gep(_data(context, builder, sig.args[5], v_arr), [v_at])
-        entry, loop, done = _open_loop(builder, "lane_sums", count)
-        t = builder.phi(i64)
-        accs = [builder.phi(vec) for _ in range(LANES)]
-        p = builder.load(builder.bitcast(builder.gep(probs, [builder.mul(t, p_stride)]), vec.as_pointer()), align=4)
-        row = builder.gep(values, [builder.mul(t, v_stride)])
-        totals = [builder.fadd(acc, builder.fmul(p, _splat(builder, builder.load(builder.gep(row, [ir.Constant(i64, e)]))),
-                                                 flags=("fast",)), flags=("fast",))
-                  for e, acc in enumerate(accs)]
-        results = _close_loop(builder, t, 1, count, accs, totals, entry, loop, done)
+        results = []
+        for first in range(0, LANES, per_pass):
+            entry, loop, done = _open_loop(builder, f"lane_sums_{first}", count)
+            t = builder.phi(i64)
+            accs = [builder.phi(vec) for _ in range(per_pass)]
+            p = builder.load(builder.bitcast(builder.gep(probs, [builder.mul(t, p_stride)]), vec.as_pointer()), align=4)
+            row = builder.gep(values, [builder.mul(t, v_stride)])
+            totals = [builder.fadd(acc, builder.fmul(p, _splat(builder, builder.load(builder.gep(
+                row, [ir.Constant(i64, first + e)]))), flags=("fast",)), flags=("fast",)) for e, acc in enumerate(accs)]
+            results += _close_loop(builder, t, 1, count, accs, totals, entry, loop, done)
         _store_vectors(builder, _data(context, builder, sig.args[0], out_arr), out_at, results)
         return context.get_dummy_value()
 
@@ -482,9 +510,14 @@ def _group_sums(typingctx, acc, acc_at, p, p_at, p_stride, value, v_at, token_st
     ``_widen``); ``group`` and ``head_dim`` are compile-time constants (see ``_group_dots``).
 
     Why: the group's ``group x head_dim`` sums stay in registers across the rows and each value row is widened
-    once for all of them; the numba loop loaded and stored every sum, and widened the row again, per query head."""
+    once for all of them; the numba loop loaded and stored every sum, and widened the row again, per query head.
+    Without AVX-512 (``_vector_registers``: SmolLM2's 3 x 64 sums are 24 of AVX2's 16 ymm registers, spilled by
+    LLVM) the rows are read in one pass per ``LANES`` elements of the head dim, the group's sums of those elements
+    in registers: the same products in the same order, 0.79x the time for 30 layers of 14 sequences of ~330 tokens
+    under the AVX2 rehearsal (docs/kernels.md)."""
     groups, dim = _literal(group, "group"), _literal(head_dim, "head_dim")
     chunks = dim // LANES
+    passes = 1 if _vector_registers() >= 2 * LANES else chunks  # each pass: its chunks' sums
     signature = types.void(acc, types.intp, p, types.intp, types.intp, value, types.intp, types.intp, types.intp,
                            group, head_dim)
 
@@ -493,23 +526,26 @@ def _group_sums(typingctx, acc, acc_at, p, p_at, p_stride, value, v_at, token_st
         i64, vec = ir.IntType(64), ir.VectorType(ir.FloatType(), LANES)
         probs = builder.gep(_data(context, builder, sig.args[2], p_arr), [p_at])
         values = builder.gep(_data(context, builder, sig.args[5], value_arr), [v_at])
-        entry, loop, done = _open_loop(builder, "group_sums", count)
-        u = builder.phi(i64)
-        accs = [builder.phi(vec) for _ in range(groups * chunks)]
-        row = builder.gep(values, [builder.mul(u, token_stride)])
-        widened = [_widen(builder, sig.args[5], builder.gep(row, [ir.Constant(i64, c * LANES)])) for c in range(chunks)]
-        totals = []
-        for g in range(groups):
-            at = builder.add(builder.mul(p_stride, ir.Constant(i64, g)), u)
-            weight = _splat(builder, builder.load(builder.gep(probs, [at])))
-            totals += [builder.fadd(accs[g * chunks + c], builder.fmul(weight, widened[c], flags=("fast",)),
-                                    flags=("fast",)) for c in range(chunks)]
-        results = _close_loop(builder, u, 1, count, accs, totals, entry, loop, done)
         target = builder.gep(_data(context, builder, sig.args[0], acc_arr), [acc_at])
-        for i, result in enumerate(results):
-            offset = ir.Constant(i64, (i // chunks) * dim + (i % chunks) * LANES)
-            at = builder.bitcast(builder.gep(target, [offset]), vec.as_pointer())
-            builder.store(builder.fadd(builder.load(at, align=4), result, flags=("fast",)), at, align=4)
+        width = chunks // passes
+        for first in range(0, chunks, width):
+            mine = range(first, first + width)
+            entry, loop, done = _open_loop(builder, f"group_sums_{first}", count)
+            u = builder.phi(i64)
+            accs = [builder.phi(vec) for _ in range(groups * width)]
+            row = builder.gep(values, [builder.mul(u, token_stride)])
+            widened = [_widen(builder, sig.args[5], builder.gep(row, [ir.Constant(i64, c * LANES)])) for c in mine]
+            totals = []
+            for g in range(groups):
+                at = builder.add(builder.mul(p_stride, ir.Constant(i64, g)), u)
+                weight = _splat(builder, builder.load(builder.gep(probs, [at])))
+                totals += [builder.fadd(accs[g * width + i], builder.fmul(weight, widened[i], flags=("fast",)),
+                                        flags=("fast",)) for i in range(width)]
+            results = _close_loop(builder, u, 1, count, accs, totals, entry, loop, done)
+            for i, result in enumerate(results):
+                offset = ir.Constant(i64, (i // width) * dim + (first + i % width) * LANES)
+                at = builder.bitcast(builder.gep(target, [offset]), vec.as_pointer())
+                builder.store(builder.fadd(builder.load(at, align=4), result, flags=("fast",)), at, align=4)
         return context.get_dummy_value()
 
     return signature, codegen

@@ -40,7 +40,6 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 import torch
 from llvmlite import ir
@@ -49,7 +48,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from apiary.kernels import huge_pages
-from apiary.kernels.cpu_attention import _as_f32, _close_loop, _data, _exp, _open_loop, _splat, follow_torch_threads
+from apiary.kernels.cpu_attention import (_as_f32, _close_loop, _data, _exp, _numba_target_features, _open_loop, _splat,
+                                          follow_torch_threads)
 from apiary.kernels.errors import KernelError
 
 GROUP = 64  # inputs per scale, both sides (32: no consistent gain in agreement, twice the float work per vpdpbusd)
@@ -65,16 +65,6 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 ROWS_AVX2 = 2  # AVX2's 16 vector registers: 2 rows x 2 halves x (int + float) accumulators beside the weights
 # LLVM's names for what each kernel's instructions need, best first
 ISA_FEATURES = {"avx512_vnni": ("avx512f", "avx512bw", "avx512vnni"), "avx2": ("avx2",)}
-
-
-def _numba_target_features() -> dict[str, bool]:
-    """The CPU features numba compiles for: ``NUMBA_CPU_FEATURES`` where the operator set it (``+a,-b``),
-    else LLVM's view of the host (what numba itself passes to LLVM)."""
-    if numba.config.CPU_FEATURES:
-        return {name[1:]: name[0] == "+" for name in numba.config.CPU_FEATURES.split(",") if name[:1] in "+-"}
-    from llvmlite import binding
-
-    return dict(binding.get_host_cpu_features())
 
 
 @functools.cache

@@ -1,6 +1,11 @@
 """The numba CPU decode-attention kernel (behind ``ops`` on CPU) against the dense float64 oracle and the torch reference."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -263,6 +268,46 @@ def test_float32_queries_attend_over_bf16_rows(backend):
     with pytest.raises(KernelError, match="q is torch.float16 but the cache is torch.bfloat16"):
         ops.paged_decode_attention(case.q.half(), rows.k_cache, rows.v_cache, case.block_tables, case.context_lens,
                                    case.scale, None, backend)
+
+
+def test_the_weighted_sums_fit_the_registers_numba_compiles_for(monkeypatch):
+    """32 sixteen-lane vectors of registers with AVX-512 (one pass of the weighted sums), 8 without (AVX2: passes)."""
+    for features, registers in (({"avx2": True, "avx512f": True}, 32), ({"avx2": True, "avx512f": False}, 8), ({}, 8)):
+        monkeypatch.setattr(cpu_attention, "_numba_target_features", lambda: features)
+        assert cpu_attention._vector_registers.__wrapped__() == registers
+
+
+def test_an_avx2_build_attends_right(tmp_path):
+    """Under ``.ci/avx2-rehearsal`` (numba compiles for Haswell: 16 ymm registers) the weighted sums run in passes
+    (``_lane_sums``, ``_group_sums``): prompt runs over bf16 rows and decode rows over float32 and bf16 rows, SmolLM2's
+    heads (the specialised decode kernel), against the float64 oracle."""
+    code = (
+        "import sys, torch\n"
+        "from apiary.kernels import cpu_attention, ops\n"
+        "from tests.kernels.cases import make_case\n"
+        "assert cpu_attention._vector_registers() == 8, 'AVX-512 not hidden'\n"
+        "outs = {}\n"
+        "for dtype in (torch.float32, torch.bfloat16):\n"
+        "    c = make_case([5, 200, 41, 300], [1] * 4, 9, 3, 64, 16, dtype)\n"
+        "    outs[f'decode {dtype}'] = ops.paged_decode_attention(c.q, c.k_cache, c.v_cache, c.block_tables,\n"
+        "                                                         c.context_lens, c.scale)\n"
+        "c = make_case([40, 300, 97], [40, 60, 97], 9, 3, 64, 16, torch.bfloat16)\n"
+        "outs['runs'] = ops.paged_prefill_attention(c.q, c.k_cache, c.v_cache, c.block_tables, c.cu_seqlens_q,\n"
+        "                                           c.context_lens, c.scale)\n"
+        "torch.save(outs, sys.argv[1])\n"
+    )
+    out = tmp_path / "avx2.pt"
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"), "PYTHONPATH": str(root)}
+    done = subprocess.run([str(root / ".ci" / "avx2-rehearsal"), sys.executable, "-c", code, str(out)], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    outs = torch.load(out)
+    for dtype in (torch.float32, torch.bfloat16):
+        case = make_case([5, 200, 41, 300], [1] * 4, 9, 3, 64, 16, dtype)
+        torch.testing.assert_close(outs[f"decode {dtype}"].double(), dense_attention(case), **tolerance(dtype))
+    case = make_case([40, 300, 97], [40, 60, 97], 9, 3, 64, 16, torch.bfloat16)
+    torch.testing.assert_close(outs["runs"].double(), dense_attention(case), **tolerance(torch.bfloat16))
 
 
 def test_float32_rows_are_written_into_bf16_caches_rounded():
