@@ -108,9 +108,11 @@ class ModelRunner:
             raise EngineError("kv_cache_dtype='int8' is a CPU path (the numba and torch attention kernels read it, "
                               "Triton's do not); on CUDA leave it 'auto'")
         self.dtype = resolve_dtype(config, self.device)
-        if config.kv_cache_dtype == "bf16" and self.device.type != "cpu" and self.dtype != torch.bfloat16:
-            raise EngineError("kv_cache_dtype='bf16' under a float32 or float16 engine is a CPU path (Triton's "
-                              "kernels read caches of the queries' dtype); on CUDA use dtype bfloat16")
+        if config.kv_cache_dtype == "bf16" and self.dtype != torch.bfloat16 and (
+                self.device.type != "cpu" or self.dtype != torch.float32):
+            raise EngineError(f"kv_cache_dtype='bf16' takes a bfloat16 engine, or a float32 one on CPU (the numba and "
+                              f"torch kernels widen bf16 rows under float32 queries; Triton's read caches of the "
+                              f"queries' dtype), not {str(self.dtype).removeprefix('torch.')} on {self.device.type}")
         if self.device.type == "cpu":
             flags = cpu.host_flags()
             log.info("engine dtype %s (asked %s); CPU features: %s; bf16 %s", str(self.dtype).removeprefix("torch."),

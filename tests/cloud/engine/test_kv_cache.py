@@ -76,6 +76,14 @@ def test_what_a_cached_row_is_stored_as() -> None:
     assert stored("int8", torch.float32, "bf16") == torch.int8
 
 
+def test_bf16_rows_are_refused_where_no_kernel_reads_them(tiny_llama: Path) -> None:
+    """bf16 rows go with a bfloat16 engine, or a float32 one on CPU; a float16 engine's queries have no kernel over
+    them: refused before the model loads, with what would take them."""
+    with pytest.raises(EngineError, match="kv_cache_dtype='bf16' takes a bfloat16 engine, or a float32 one on CPU.*"
+                                          "not float16 on cpu"):
+        LLMEngine(EngineConfig(model_path=tiny_llama, dtype="float16", kv_cache_dtype="bf16"))
+
+
 def test_a_float32_engine_stores_its_rows_in_bf16_where_asked(tiny_llama: Path) -> None:
     """``kv_cache_dtype="bf16"`` under a float32 engine: half the bytes a token takes in float32 rows, so twice the
     blocks in a budget; each K/V row is the float32 engine's row rounded to bf16 (compared at the first layer,
