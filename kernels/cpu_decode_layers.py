@@ -15,8 +15,10 @@ layer of a float32 engine with ``weights`` ``bf16``, the default where the CPU h
 otherwise): one kind for the four projections of every layer, output widths that are whole 16-output
 tiles and (bf16) input widths that are whole 32-input chunks, so nothing is padded between one kernel's
 output and the next one's input; int8 projections without biases (the int8 kernel adds none; the bf16 one
-adds its own); and a float KV pool whose layers are one array. Decode rows only: prompt chunks take
-milliseconds a layer, where the glue does not show, and their attention kernels are chosen by run length.
+adds its own); and a KV pool whose layers are one array: float rows, or int8 ones with their scales' pool
+(each new row quantized as ``cpu_quant.write_kv_int8`` does it, then attended over with its scale). Decode rows
+only: prompt chunks take milliseconds a layer, where the glue does not show, and their attention kernels are chosen
+by run length.
 
 The weights are stacked once (``[layers, ...]`` per projection) and each layer's weight becomes a view of
 its slice (``LayerStack.views``), so the model holds them once. The function is compiled per GEMM kernel and
@@ -34,15 +36,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from numba import njit
+from numba import njit, types as nb_types
+from numba.extending import overload
 
-from apiary.kernels import cpu_attention, cpu_bf16_gemm, cpu_bf16w_gemm, cpu_int8_gemm, huge_pages
-from apiary.kernels.cpu_attention import _NO_SCALES, _as_f32
+from apiary.kernels import cpu_attention, cpu_bf16_gemm, cpu_bf16w_gemm, cpu_int8_gemm, cpu_quant, huge_pages
+from apiary.kernels.cpu_attention import _as_f32
 from apiary.kernels.cpu_bf16_gemm import CHUNK, PackedBF16
 from apiary.kernels.cpu_bf16w_gemm import HeldBF16
 from apiary.kernels.cpu_int8_gemm import TILE, GroupedWeight
 from apiary.kernels.cpu_layers import (PARALLEL_ROWS, _np, _rms_norm, _rms_norm_rows, _rotary_write_kv,
                                        _rotary_write_kv_rows, _store)
+from apiary.kernels.cpu_quant import _quantize_row, _write_kv_int8
 from apiary.kernels.errors import KernelError
 
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")  # a layer's projections, in the order they run
@@ -148,6 +152,45 @@ def _norm(wide, x, residual, has_residual, weight, eps, out, summed):  # type: i
         _rms_norm(x, residual, has_residual, weight, eps, out, summed)
 
 
+def _write_new_rows(wide, qkv, num_heads, num_kv_heads, positions, cos_sin, q, k_rows, v_rows, k_scales, v_scales,
+                    slots, keys, values, rows):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled by the overload
+    raise NotImplementedError
+
+
+@overload(_write_new_rows)
+def _write_new_rows_impl(wide, qkv, num_heads, num_kv_heads, positions, cos_sin, q, k_rows, v_rows, k_scales, v_scales,
+                         slots, keys, values, rows):  # type: ignore[no-untyped-def]
+    """The rotated queries into ``q``, the step's rotated keys and its values into the cache rows ``[S, Hkv, D]`` at
+    ``slots``, as ``CpuStep.rotary_write_kv`` writes them: float rows straight in; int8 rows (chosen by the cache's
+    type, so each run compiles one branch) first into ``keys``/``values`` at ``rows`` (0..T-1), then quantized per
+    token and KV head with their scales (``k_scales``/``v_scales`` ``[S, Hkv]``) by ``cpu_quant``'s row quantizer."""
+    if isinstance(k_rows, nb_types.Array) and k_rows.dtype == nb_types.int8:
+        def quantized(wide, qkv, num_heads, num_kv_heads, positions, cos_sin, q, k_rows, v_rows, k_scales, v_scales,
+                      slots, keys, values, rows):  # type: ignore[no-untyped-def]
+            least = np.float32(cpu_quant.MIN_ABSMAX)
+            if wide:
+                _rotary_write_kv_rows(qkv, num_heads, num_kv_heads, positions, cos_sin, q, keys, values, rows)
+                _write_kv_int8(keys, values, k_rows, v_rows, k_scales, v_scales, slots, least)
+                return
+            _rotary_write_kv(qkv, num_heads, num_kv_heads, positions, cos_sin, q, keys, values, rows)
+            for t in range(slots.shape[0]):
+                slot = slots[t]
+                if slot < 0:
+                    continue
+                for h in range(num_kv_heads):
+                    k_scales[slot, h] = _quantize_row(keys[t, h], k_rows[slot, h], least)
+                    v_scales[slot, h] = _quantize_row(values[t, h], v_rows[slot, h], least)
+        return quantized
+
+    def floats(wide, qkv, num_heads, num_kv_heads, positions, cos_sin, q, k_rows, v_rows, k_scales, v_scales, slots,
+               keys, values, rows):  # type: ignore[no-untyped-def]
+        if wide:
+            _rotary_write_kv_rows(qkv, num_heads, num_kv_heads, positions, cos_sin, q, k_rows, v_rows, slots)
+        else:
+            _rotary_write_kv(qkv, num_heads, num_kv_heads, positions, cos_sin, q, k_rows, v_rows, slots)
+    return floats
+
+
 def _kernel_sources_digest() -> str:
     """A digest of every CPU kernel's source, for the compiled run's name: numba checks a cached function against
     its own file only, and the run has the kernels of five other files compiled into it."""
@@ -161,15 +204,16 @@ _SOURCES = _kernel_sources_digest()
 _gemm = _attend = None  # the run's GEMM and attention kernels: set in each compiled copy's globals by ``_layers_of``
 
 
-def _layers(x, residual, has_residual, pool, first, input_norms, post_norms, qkv_w, qkv_e, o_w, o_e, gu_w, gu_e,
-            down_w, down_e, num_heads, positions, cos_sin, slots, tables, lens, scale, window, eps,
-            no_scales, yes, no):  # type: ignore[no-untyped-def]
+def _layers(x, residual, has_residual, pool, scales, quantized, first, input_norms, post_norms, qkv_w, qkv_e, o_w, o_e,
+            gu_w, gu_e, down_w, down_e, num_heads, positions, cos_sin, slots, tables, lens, scale, window, eps, yes,
+            no):  # type: ignore[no-untyped-def]
     """``(x, residual)`` after the stack's layers, from the hidden rows ``x [T, H]`` and the residual stream
     (``has_residual`` False: none yet, as before a model's first layer). Each layer is ``LlamaModel.forward``'s
     CPU path: norm, qkv, rotary and the KV write into ``pool[first + l]``, decode attention, o_proj, norm,
-    gate/up, down. ``yes``/``no``: True and False as run-time values, for the kernels' flags: a constant is
-    typed as a literal and compiles the kernels again, specialised, where the per-layer path calls the ones
-    compiled for run-time flags, and LLVM may vectorise the two apart (seen once: a float32 run an ulp off)."""
+    gate/up, down. ``scales``: an int8 pool's ``[layers, 2, blocks, block_size, Hkv]`` (``quantized`` True), else
+    ``[layers, 2, 1, 1, 1]`` ones that nothing reads. ``yes``/``no``: True and False as run-time values, for the
+    kernels' flags (``quantized`` is one of them): a constant is typed as a literal and compiles the kernels again,
+    specialised, where the per-layer path calls the ones compiled for run-time flags, and LLVM may vectorise the two apart (seen once: a float32 run an ulp off)."""
     t = x.shape[0]
     num_kv_heads, head_dim = pool.shape[4], pool.shape[5]
     normed = np.empty_like(x)
@@ -182,11 +226,15 @@ def _layers(x, residual, has_residual, pool, first, input_norms, post_norms, qkv
     o = np.empty((t, o_w.shape[1] * TILE), x.dtype)
     gate_up = np.empty((t, gu_w.shape[1] * TILE), x.dtype)
     out = np.empty((t, down_w.shape[1] * TILE), x.dtype)
+    keys = np.empty((t, num_kv_heads, head_dim), x.dtype)  # int8 caches: the new rows before they are quantized
+    values = np.empty((t, num_kv_heads, head_dim), x.dtype)
+    rows = np.arange(t)
     hidden, res = x, residual
     turn = 0
     wide = t >= PARALLEL_ROWS  # the row-parallel norm and rotary, as ``CpuStep`` takes them
     for layer in range(input_norms.shape[0]):
         k_cache, v_cache = pool[first + layer, 0], pool[first + layer, 1]
+        k_scale, v_scale = scales[first + layer, 0], scales[first + layer, 1]
         # the sum goes to the buffer the residual is not in (``CpuStep.rms_norm``: aliasing changes rounding)
         target = sum_a if turn == 0 else sum_b
         if has_residual or layer > 0:
@@ -198,15 +246,14 @@ def _layers(x, residual, has_residual, pool, first, input_norms, post_norms, qkv
         _gemm(normed, qkv_w[layer], qkv_e[layer], qkv, no)
         k_rows, v_rows = (k_cache.reshape((-1, num_kv_heads, head_dim)),
                           v_cache.reshape((-1, num_kv_heads, head_dim)))
-        if wide:
-            _rotary_write_kv_rows(qkv, num_heads, num_kv_heads, positions, cos_sin, q, k_rows, v_rows, slots)
-        else:
-            _rotary_write_kv(qkv, num_heads, num_kv_heads, positions, cos_sin, q, k_rows, v_rows, slots)
+        _write_new_rows(wide, qkv, num_heads, num_kv_heads, positions, cos_sin, q, k_rows, v_rows,
+                        k_scale.reshape((-1, k_scale.shape[2])), v_scale.reshape((-1, v_scale.shape[2])), slots, keys,
+                        values, rows)
         for i in range(t):
             for h in range(num_heads):
                 for d in range(head_dim):
                     q32[i, h, d] = _as_f32(q[i, h, d])
-        _attend(q32, k_cache, v_cache, no_scales, no_scales, no, tables, lens, scale, window, attn32)
+        _attend(q32, k_cache, v_cache, k_scale, v_scale, quantized, tables, lens, scale, window, attn32)
         for i in range(t):
             for h in range(num_heads):
                 for d in range(head_dim):
@@ -246,16 +293,23 @@ def _layers_of(kernel: str, head_dim: int, group: int):  # type: ignore[no-untyp
 
 def run(stack: LayerStack, x: np.ndarray, residual: np.ndarray | None, pool: np.ndarray, num_heads: int,
         positions: np.ndarray, cos_sin: np.ndarray, slots: np.ndarray, tables: np.ndarray, lens: np.ndarray,
-        scale: np.float32, window: int, eps: np.float32) -> tuple[np.ndarray, np.ndarray]:
+        scale: np.float32, window: int, eps: np.float32,
+        scales: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The stack's layers over numpy views a caller checked (``cpu_layers.CpuStep.stacked_layers``):
     ``x``/``residual`` ``[T, H]`` (bf16 as int16 bits; no residual before a model's first layer), ``pool [layers, 2,
-    blocks, block_size, Hkv, D]`` of ``x``'s dtype (or bf16 under float32 rows), one decode row per token. Returns new ``(x, residual)`` arrays."""
+    blocks, block_size, Hkv, D]`` of ``x``'s dtype (or bf16 under float32 rows), or int8 with its ``scales [layers, 2,
+    blocks, block_size, Hkv]`` float32, one decode row per token. Returns new ``(x, residual)`` arrays."""
     if stack.gemm == BF16 and x.dtype != np.int16:
         raise KernelError("cpu_decode_layers.run: a bf16 stack takes bf16 rows")
     if stack.gemm == BF16W and x.dtype != np.float32:
         raise KernelError("cpu_decode_layers.run: a stack of bf16-held weights takes float32 rows")
+    quantized = pool.dtype == np.int8
+    if quantized != (scales is not None):
+        raise KernelError("cpu_decode_layers.run: an int8 pool takes its scales, a float pool none")
+    if scales is None:
+        scales = np.ones((pool.shape[0], 2, 1, 1, 1), np.float32)  # the attention's scale arguments, never read
     compiled = _layers_of(stack.gemm, *cpu_attention.decode_kernel_key(num_heads, pool.shape[4], pool.shape[5]))
     (qkv_w, o_w, gu_w, down_w), (qkv_e, o_e, gu_e, down_e) = stack.packed, stack.extras
-    return compiled(x, x if residual is None else residual, residual is not None, pool, stack.first, stack.input_norms,
-                    stack.post_norms, qkv_w, qkv_e, o_w, o_e, gu_w, gu_e, down_w, down_e, num_heads, positions, cos_sin,
-                    slots, tables, lens, scale, window, eps, _NO_SCALES, True, False)
+    return compiled(x, x if residual is None else residual, residual is not None, pool, scales, quantized, stack.first,
+                    stack.input_norms, stack.post_norms, qkv_w, qkv_e, o_w, o_e, gu_w, gu_e, down_w, down_e, num_heads,
+                    positions, cos_sin, slots, tables, lens, scale, window, eps, True, False)

@@ -368,24 +368,31 @@ class CpuStep:
         return self._decode(q, self._lasting(k_cache), self._lasting(v_cache), scales)
 
     def stacked_layers(self, x: torch.Tensor, residual: torch.Tensor | None, stack: LayerStack,
-                       pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                       pool: torch.Tensor, scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``stack``'s layers for a step of decode rows only, one compiled call (``cpu_decode_layers``): the
         ``(x, residual)`` that the per-layer calls (``rms_norm``, the projections, ``rotary_write_kv``,
-        ``decode_attention``) would give, bit for bit. ``pool``: the float KV pool ``[layers, 2, blocks,
-        block_size, Hkv, D]`` whose layer ``i`` holds layer ``i``'s K and V (``cloud.engine.kv_cache.KVPool``)."""
+        ``decode_attention``) would give, bit for bit. ``pool``: the KV pool ``[layers, 2, blocks, block_size, Hkv,
+        D]`` whose layer ``i`` holds layer ``i``'s K and V (``cloud.engine.kv_cache.KVPool``); an int8 one with its
+        ``scales [layers, 2, blocks, block_size, Hkv]``."""
         from apiary.kernels import cpu_decode_layers
 
         decode = self._decode
-        _require(decode is not None and self._kv is None and decode.tables.shape[0] == x.shape[0],
-                 lambda: "stacked_layers takes a step of decode rows only, over a float cache")
-        _require(pool.dim() == 6 and pool.is_contiguous() and pool.dtype in (x.dtype, torch.bfloat16) and pool.shape[1] == 2
-                 and tuple(pool.shape[4:]) == (self.num_kv_heads, self.head_dim)
+        quantized = pool.dtype == torch.int8
+        _require(decode is not None and (self._kv is not None) == quantized and decode.tables.shape[0] == x.shape[0],
+                 lambda: "stacked_layers takes a step of decode rows only, over the cache the step was made for")
+        _require(pool.dim() == 6 and pool.is_contiguous() and pool.dtype in (x.dtype, torch.bfloat16, torch.int8)
+                 and pool.shape[1] == 2 and tuple(pool.shape[4:]) == (self.num_kv_heads, self.head_dim)
                  and stack.first + stack.count <= pool.shape[0] and x.is_contiguous()
                  and (residual is None or (residual.is_contiguous() and residual.shape == x.shape)),
                  lambda: f"stacked_layers takes a contiguous [layers, 2, blocks, block_size, {self.num_kv_heads}, "
-                         f"{self.head_dim}] pool of the rows' dtype or bf16, got {tuple(pool.shape)} {pool.dtype}")
+                         f"{self.head_dim}] pool of the rows' dtype, bf16 or int8, got {tuple(pool.shape)} {pool.dtype}")
+        _require(quantized == (scales is not None) and (scales is None or (
+                     scales.dtype == torch.float32 and scales.is_contiguous() and scales.shape == pool.shape[:-1])),
+                 lambda: f"stacked_layers takes an int8 pool's float32 scales {list(pool.shape[:-1])} and a float "
+                         f"pool's none, got {None if scales is None else (tuple(scales.shape), scales.dtype)}")
         out, summed = cpu_decode_layers.run(stack, _np(x), None if residual is None else _np(residual), _np(pool),
                                             self.num_heads, self.positions, self.cos_sin, self.slots, decode.tables,
-                                            decode.lens, decode.scale, decode.window, self.eps)
+                                            decode.lens, decode.scale, decode.window, self.eps,
+                                            None if scales is None else _np(scales))
         as_tensor = (lambda a: torch.from_numpy(a).view(torch.bfloat16)) if x.dtype == torch.bfloat16 else torch.from_numpy
         return as_tensor(out), as_tensor(summed)

@@ -23,13 +23,15 @@ class LayerKV:
     """One layer's K and V ``[num_blocks, block_size, num_kv_heads, head_dim]``; int8 ones carry scales
     ``[num_blocks, block_size, num_kv_heads]`` (``apiary.kernels.ops`` takes them as ``k_scale``/``v_scale``).
     ``pool``: the ``[num_layers, 2, ...]`` array whose ``[layer, 0]`` and ``[layer, 1]`` these are, where they are
-    views of one (a run of int8 layers at decode reads every layer's through it, ``CpuStep.int8_layers``)."""
+    views of one, and ``scales`` the same for an int8 pool's scales (a decode step's run of layers reads every
+    layer's through them, ``CpuStep.stacked_layers``)."""
 
     k: torch.Tensor
     v: torch.Tensor
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
     pool: torch.Tensor | None = None
+    scales: torch.Tensor | None = None
 
 
 def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, quantized: bool) -> int:
@@ -51,7 +53,7 @@ class KVPool:
         scales = self._parts[1] if quantized else None
         self.layers = [LayerKV(data[layer, 0], data[layer, 1],
                                *((scales[layer, 0], scales[layer, 1]) if scales is not None else (None, None)),
-                               pool=data)
+                               pool=data, scales=scales)
                        for layer in range(num_layers)]
 
     @property

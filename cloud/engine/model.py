@@ -279,7 +279,7 @@ class LlamaModel:
                 raise StepInterrupted
             if stack is not None and step is not None and i == stack.first:  # _stack_for checked kv.pool
                 # the run of layers in one call: a decode step takes milliseconds, not worth interrupting
-                x, residual = step.stacked_layers(x, residual, stack, kv.pool)  # type: ignore[arg-type]
+                x, residual = step.stacked_layers(x, residual, stack, kv.pool, kv.scales)  # type: ignore[arg-type]
                 skip_to = i + stack.count
                 continue
             if step is not None:  # the same layer on CPU, its small ops checked once per pass (CpuStep)
@@ -306,13 +306,13 @@ class LlamaModel:
 
     def _stack_for(self, step: CpuStep | None, meta: AttentionMetadata, t: int,
                    kv_caches: list[LayerKV]) -> LayerStack | None:
-        """The run of layers where this pass can take it: a CPU step of decode rows only over a float pool
-        (int8 caches and prompt chunks take the per-layer path)."""
+        """The run of layers where this pass can take it: a CPU step of decode rows only over the layers' one pool
+        (float rows, or int8 ones with their scales' pool); prompt chunks take the per-layer path."""
         stack = self.layer_stack
         if stack is None or step is None or meta.num_decode_tokens != t or not t:
             return None
         kv = kv_caches[stack.first]
-        return stack if kv.pool is not None and kv.k_scale is None else None  # a float pool: the model's dtype or bf16
+        return stack if kv.pool is not None and (kv.k_scale is None or kv.scales is not None) else None
 
     def _cpu_step(self, t: int, positions: torch.Tensor, meta: AttentionMetadata,
                   kv_caches: list[LayerKV]) -> CpuStep | None:

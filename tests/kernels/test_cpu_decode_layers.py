@@ -60,15 +60,38 @@ def _setup(dtype: torch.dtype, head_dim: int, count: int = 3, rows: int = 5, see
     return layers, norms, pool, step, x, residual
 
 
-def _per_layer(step, layers, norms, pool, x, residual, kernel, first=1):
-    """What ``LlamaModel.forward``'s CPU path computes layer by layer (``kernel``: the int8 GEMM's, or ``"bf16"``)."""
+def _quantized(pool: torch.Tensor, dtype: torch.dtype, rows: int = 5, seed: int = 0):
+    """``pool``'s rows as an int8 KV pool with one float32 scale per token and KV head (``cpu_quant``'s rounding:
+    ``round(x / (absmax / 127))``), and ``_setup``'s step over it: ``(int8 pool, scales [layers, 2, blocks, block,
+    Hkv], step)``."""
+    scales = pool.float().abs().amax(-1).clamp_min(1e-8) / 127
+    cache = torch.round(pool.float() / scales[..., None]).to(torch.int8)
+    g = torch.Generator().manual_seed(seed)
+    num_blocks, head_dim = pool.shape[2], pool.shape[-1]
+    torch.randn(pool.shape, generator=g)  # as _setup drew them, for the same tables and lens
+    blocks = torch.randperm(num_blocks, generator=g)
+    lens = torch.tensor([3, 17, 9, 31, 1][:rows], dtype=torch.int32)
+    tables = blocks[: rows * 4].view(rows, 4).to(torch.int32)
+    positions = lens.long() - 1
+    slots = tables.long().gather(1, (positions // BLOCK)[:, None])[:, 0] * BLOCK + positions % BLOCK
+    step = ops.cpu_step(rows, HIDDEN, HQ, HKV, head_dim, dtype, 1e-5, positions, slots,
+                        reference.rotary_cos_sin_cache(64, head_dim, 10000.0), cache[1, 0], cache[1, 1], rows, tables,
+                        lens, head_dim ** -0.5, k_scale=scales[1, 0], v_scale=scales[1, 1])
+    return cache, scales, step
+
+
+def _per_layer(step, layers, norms, pool, x, residual, kernel, first=1, scales=None):
+    """What ``LlamaModel.forward``'s CPU path computes layer by layer (``kernel``: the int8 GEMM's, or ``"bf16"``;
+    ``scales``: an int8 pool's)."""
     views = [(pool[first + i, 0], pool[first + i, 1]) for i in range(len(layers))]  # kept alive: CpuStep keys by id
+    kv_scales = [(None, None) if scales is None else (scales[first + i, 0], scales[first + i, 1])
+                 for i in range(len(layers))]
     bind = {layers_mod.BF16: bf16_gemm.Bound, layers_mod.BF16W: held_gemm.Bound}.get(
         kernel, lambda weight: gemm.Bound(weight, kernel))
-    for layer, in_norm, post_norm, (k, v) in zip(layers, *norms, views):
+    for layer, in_norm, post_norm, (k, v), (ks, vs) in zip(layers, *norms, views, kv_scales):
         h, residual = step.rms_norm(x, in_norm, residual)
-        q = step.rotary_write_kv(bind(layer["qkv"])(h), k, v)
-        attn = step.decode_attention(q, k, v)
+        q = step.rotary_write_kv(bind(layer["qkv"])(h), k, v, ks, vs)
+        attn = step.decode_attention(q, k, v, ks, vs)
         h, residual = step.rms_norm(bind(layer["o_proj"])(attn.reshape(x.shape[0], -1)), post_norm, residual)
         x = bind(layer["down"])(bind(layer["gate_up"])(h), True)
     return x, residual
@@ -98,6 +121,36 @@ def test_a_run_is_the_per_layer_calls_bit_for_bit(dtype, head_dim, kernel):
     assert torch.equal(got_residual, want_residual)
     assert torch.equal(pool, want_pool)
     assert not torch.equal(pool, _setup(dtype, head_dim, bf16=bf16)[2])  # the K/V rows were written
+
+
+# int8 KV rows (``EngineConfig(kv_cache_dtype="int8")``) under each kind of run: bf16 rows through int8 and bf16 weights,
+# float32 rows through bf16-held ones
+KV8_CASES = [(torch.bfloat16, gemm.isa())] + [
+    pytest.param(torch.bfloat16, layers_mod.BF16, marks=needs_bf16_kernel),
+    pytest.param(torch.float32, layers_mod.BF16W, marks=needs_held_kernel)]
+
+
+@pytest.mark.parametrize(("dtype", "kernel"), KV8_CASES, ids=lambda v: str(v).removeprefix("torch."))
+def test_a_run_over_int8_kv_rows_is_the_per_layer_calls_bit_for_bit(dtype, kernel):
+    """int8 caches: each new key and value row quantized with its scale as the per-layer write does it, attention
+    over the int8 rows and their scales; hidden rows, residual stream, every cached row and every scale exactly the
+    per-layer path's."""
+    bf16 = kernel if kernel in (layers_mod.BF16, layers_mod.BF16W) else False
+    layers, norms, pool, _, x, residual = _setup(dtype, 64, bf16=bf16)
+    cache, scales, step = _quantized(pool, dtype)
+    want_cache, want_scales = cache.clone(), scales.clone()
+    want_x, want_residual = _per_layer(step, layers, norms, want_cache, x, residual, kernel, scales=want_scales)
+    stack = ops.stack_layers(1, layers, *norms, kernel=None if bf16 else kernel)
+    got_x, got_residual = step.stacked_layers(x, residual, stack, cache, scales)
+    assert torch.equal(got_x, want_x) and torch.equal(got_residual, want_residual)
+    assert torch.equal(cache, want_cache) and torch.equal(scales, want_scales)
+    fresh, fresh_scales, _ = _quantized(pool, dtype)
+    assert not torch.equal(scales, fresh_scales)  # new rows were written, with their scales
+    assert not torch.equal(got_x, step.stacked_layers(x, residual, stack, fresh, fresh_scales * 2)[0])  # scales are read
+    with pytest.raises(KernelError, match="scales"):  # an int8 pool without its scales, or scales of another shape
+        step.stacked_layers(x, residual, stack, fresh)
+    with pytest.raises(KernelError, match="scales"):
+        step.stacked_layers(x, residual, stack, fresh, fresh_scales[:, :, :-1])
 
 
 def test_a_wide_decode_step_takes_the_row_parallel_norm_and_rotary_as_the_per_layer_path():

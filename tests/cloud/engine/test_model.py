@@ -230,6 +230,27 @@ def test_bf16_decode_steps_run_the_layers_in_one_call(tmp_path: Path, monkeypatc
     assert [o.logprobs for o in fused] == [o.logprobs for o in layered]
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_int8_kv_rows_decode_through_the_run_of_layers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       dtype: str) -> None:
+    """``kv_cache_dtype="int8"``: decode steps take the run of layers in one call over the int8 pool and its scales
+    (bf16 weights through the vdpbf16ps kernel, or a float32 engine's bf16-held ones), the per-layer path's tokens
+    and logprobs exactly, and the rows they write are int8 with a scale each."""
+    available = bf16_kernel_runs() if dtype == "bfloat16" else ops.bf16w_gemm_available()
+    if not available:
+        pytest.skip(f"no run of layers for a {dtype} engine on this host (its GEMM kernel does not compile here)")
+    folder = make_checkpoint(tmp_path / "four", "llama", layers=4, hidden=128, heads=4, kv_heads=2, intermediate=256)
+    engine = LLMEngine(EngineConfig(model_path=folder, dtype=dtype, weights="auto" if dtype == "bfloat16" else "bf16",
+                                    kv_cache_dtype="int8", kv_cache_bytes=4 << 20, block_size=8))
+    assert engine.runner.kv_pool.dtype == torch.int8 and engine.runner.model.layer_stack is not None
+    fused, layered, calls = decodes_through_the_run(engine, ["Queen present", "Hive 3 lost weight and 2 frames"], 9,
+                                                    monkeypatch)
+    assert calls >= 8
+    assert [(o.output_token_ids, o.logprobs) for o in fused] == [(o.output_token_ids, o.logprobs) for o in layered]
+    scales = engine.runner.kv_caches[0].scales
+    assert scales is not None and scales.dtype == torch.float32 and bool((scales > 0).any())
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_real_model_bfloat16_decodes_its_layers_in_one_call(real_bf16_engine: LLMEngine,
