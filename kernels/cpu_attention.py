@@ -645,6 +645,8 @@ def _decode_kernel(head_dim: int, group: int):  # type: ignore[no-untyped-def]
                 continue
             queries = _scaled_queries(q, b, np.float32(1.0))  # the scale multiplies the sums (_group_dots)
             scores = np.empty((num_heads, n), np.float32)
+            key_scales = np.empty((num_kv_heads if quantized else 0, n), np.float32)
+            value_scales = np.empty((num_kv_heads if quantized else 0, n), np.float32)
             t = 0
             while t < n:
                 block, offset, count = _run_at(k_cache, k_scale, quantized, block_tables, b, start, t, n)
@@ -655,20 +657,24 @@ def _decode_kernel(head_dim: int, group: int):  # type: ignore[no-untyped-def]
                                 whole, group, head_dim, 4, scale)
                     _group_dots(scores, h * group * n + t + whole, n, queries, h * group * head_dim, k_cache,
                                 row + whole * row_stride, row_stride, count - whole, group, head_dim, 1, scale)
-                    if quantized:
-                        for hq in range(h * group, (h + 1) * group):
-                            for u in range(count):
-                                scores[hq, t + u] *= k_scale[block, offset + u, h]
+                    if quantized:  # the run's scales, for one pass over each score row below
+                        for u in range(count):
+                            key_scales[h, t + u] = k_scale[block, offset + u, h]
+                            value_scales[h, t + u] = v_scale[block, offset + u, h]
                 t += count
+            if quantized:  # a key's scale multiplies its dot product
+                for hq in range(num_heads):
+                    for u in range(n):
+                        scores[hq, u] *= key_scales[hq // group, u]
             _softmax_rows(scores)
+            if quantized:  # a value's scale multiplies its probability
+                for hq in range(num_heads):
+                    for u in range(n):
+                        scores[hq, u] *= value_scales[hq // group, u]
             t = 0
             while t < n:
                 block, offset, count = _run_at(v_cache, v_scale, quantized, block_tables, b, start, t, n)
                 for h in range(num_kv_heads):
-                    if quantized:  # a value's scale multiplies its probability
-                        for hq in range(h * group, (h + 1) * group):
-                            for u in range(count):
-                                scores[hq, t + u] *= v_scale[block, offset + u, h]
                     _group_sums(acc, h * group * head_dim, scores, h * group * n + t, n, v_cache,
                                 (block * block_size + offset) * row_stride + h * head_dim, row_stride, count, group,
                                 head_dim)
