@@ -36,9 +36,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from apiary.kernels import huge_pages
-from apiary.kernels.cpu_attention import _as_f32, _close_loop, _data, _open_loop, follow_torch_threads
-from apiary.kernels.cpu_int8_gemm import (GROUP, TILE, _numba_target_features, _prefetch_group, _rows_next, _silu,
-                                          _splat_word, _store_rows)
+from apiary.kernels.cpu_attention import (_as_f32, _close_loop, _data, _numba_target_features, _open_loop,
+                                          follow_torch_threads)
+from apiary.kernels.cpu_int8_gemm import GROUP, TILE, _prefetch_group, _rows_next, _silu, _splat_word, _store_rows
 from apiary.kernels.cpu_layers import _store
 from apiary.kernels.errors import KernelError
 

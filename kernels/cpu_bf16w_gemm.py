@@ -28,10 +28,10 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from apiary.kernels.cpu_attention import LANES, _close_loop, _data, _open_loop, _splat
+from apiary.kernels.cpu_attention import LANES, _close_loop, _data, _numba_target_features, _open_loop, _splat
 from apiary.kernels import cpu_bf16_gemm
 from apiary.kernels.cpu_bf16_gemm import CHUNK, PackedBF16
-from apiary.kernels.cpu_int8_gemm import TILE, _numba_target_features, _prefetch_group, _rows_next, _silu, _store_rows
+from apiary.kernels.cpu_int8_gemm import TILE, _prefetch_group, _rows_next, _silu, _store_rows
 from apiary.kernels.errors import KernelError
 
 assert LANES == TILE
