@@ -46,7 +46,7 @@ from apiary.kernels.cpu_bf16w_gemm import HeldBF16
 from apiary.kernels.cpu_int8_gemm import TILE, GroupedWeight
 from apiary.kernels.cpu_layers import (PARALLEL_ROWS, _np, _rms_norm, _rms_norm_rows, _rotary_write_kv,
                                        _rotary_write_kv_rows, _store)
-from apiary.kernels.cpu_quant import _quantize_row, _write_kv_int8
+from apiary.kernels.cpu_quant import _write_kv_int8, _write_row_int8
 from apiary.kernels.errors import KernelError
 
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")  # a layer's projections, in the order they run
@@ -163,7 +163,8 @@ def _write_new_rows_impl(wide, qkv, num_heads, num_kv_heads, positions, cos_sin,
     """The rotated queries into ``q``, the step's rotated keys and its values into the cache rows ``[S, Hkv, D]`` at
     ``slots``, as ``CpuStep.rotary_write_kv`` writes them: float rows straight in; int8 rows (chosen by the cache's
     type, so each run compiles one branch) first into ``keys``/``values`` at ``rows`` (0..T-1), then quantized per
-    token and KV head with their scales (``k_scales``/``v_scales`` ``[S, Hkv]``) by ``cpu_quant``'s row quantizer."""
+    token and KV head with their scales (``k_scales``/``v_scales`` ``[S, Hkv]``) as ``cpu_quant.write_kv_int8`` does,
+    one row at a time (a parallel loop for a wide step's rows)."""
     if isinstance(k_rows, nb_types.Array) and k_rows.dtype == nb_types.int8:
         def quantized(wide, qkv, num_heads, num_kv_heads, positions, cos_sin, q, k_rows, v_rows, k_scales, v_scales,
                       slots, keys, values, rows):  # type: ignore[no-untyped-def]
@@ -174,12 +175,7 @@ def _write_new_rows_impl(wide, qkv, num_heads, num_kv_heads, positions, cos_sin,
                 return
             _rotary_write_kv(qkv, num_heads, num_kv_heads, positions, cos_sin, q, keys, values, rows)
             for t in range(slots.shape[0]):
-                slot = slots[t]
-                if slot < 0:
-                    continue
-                for h in range(num_kv_heads):
-                    k_scales[slot, h] = _quantize_row(keys[t, h], k_rows[slot, h], least)
-                    v_scales[slot, h] = _quantize_row(values[t, h], v_rows[slot, h], least)
+                _write_row_int8(keys, values, k_rows, v_rows, k_scales, v_scales, slots, t, least)
         return quantized
 
     def floats(wide, qkv, num_heads, num_kv_heads, positions, cos_sin, q, k_rows, v_rows, k_scales, v_scales, slots,
@@ -213,7 +209,8 @@ def _layers(x, residual, has_residual, pool, scales, quantized, first, input_nor
     gate/up, down. ``scales``: an int8 pool's ``[layers, 2, blocks, block_size, Hkv]`` (``quantized`` True), else
     ``[layers, 2, 1, 1, 1]`` ones that nothing reads. ``yes``/``no``: True and False as run-time values, for the
     kernels' flags (``quantized`` is one of them): a constant is typed as a literal and compiles the kernels again,
-    specialised, where the per-layer path calls the ones compiled for run-time flags, and LLVM may vectorise the two apart (seen once: a float32 run an ulp off)."""
+    specialised, where the per-layer path calls the ones compiled for run-time flags, and LLVM may vectorise the two
+    apart (seen once: a float32 run an ulp off)."""
     t = x.shape[0]
     num_kv_heads, head_dim = pool.shape[4], pool.shape[5]
     normed = np.empty_like(x)

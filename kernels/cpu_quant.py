@@ -54,16 +54,21 @@ def _quantize_rows(x, q, scale, min_absmax):  # type: ignore[no-untyped-def]
         scale[i, 0] = _quantize_row(x[i], q[i], min_absmax)
 
 
+@njit(inline="always", fastmath={"nnan", "ninf", "nsz", "reassoc"}, boundscheck=False)
+def _write_row_int8(key, value, k_cache, v_cache, k_scale, v_scale, slots, t, min_absmax):  # type: ignore[no-untyped-def]
+    """Row ``t`` of ``_write_kv_int8`` (a decode step's run of layers calls it for its few rows, serially)."""
+    slot = slots[t]
+    if slot >= 0:
+        for h in range(key.shape[1]):
+            k_scale[slot, h] = _quantize_row(key[t, h], k_cache[slot, h], min_absmax)
+            v_scale[slot, h] = _quantize_row(value[t, h], v_cache[slot, h], min_absmax)
+
+
 @njit(parallel=True, fastmath={"nnan", "ninf", "nsz", "reassoc"}, cache=True, boundscheck=False, nogil=True)
 def _write_kv_int8(key, value, k_cache, v_cache, k_scale, v_scale, slots, min_absmax):  # type: ignore[no-untyped-def]
     """key/value ``[T, Hkv, D]``; caches ``[slots, Hkv, D]`` int8, scales ``[slots, Hkv]``; slots < 0 skipped."""
     for t in prange(key.shape[0]):
-        slot = slots[t]
-        if slot < 0:
-            continue
-        for h in range(key.shape[1]):
-            k_scale[slot, h] = _quantize_row(key[t, h], k_cache[slot, h], min_absmax)
-            v_scale[slot, h] = _quantize_row(value[t, h], v_cache[slot, h], min_absmax)
+        _write_row_int8(key, value, k_cache, v_cache, k_scale, v_scale, slots, t, min_absmax)
 
 
 @njit(parallel=True, cache=True, boundscheck=False, nogil=True)

@@ -169,3 +169,23 @@ def test_real_model_int8_kv_cache_meets_the_97_percent_gate(gate_references: lis
     agreement, positions = teacher_forced_agreement(gate_references, engine)
     assert positions > 400
     assert agreement >= KV8_GATE, agreement
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_real_model_int8_rows_decode_through_the_run_of_layers(gguf_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SmolLM2 as `apiary cloud serve --kv-cache-dtype int8` runs it (the host's default dtype and weights): a batch's
+    decode steps take the run of layers in one call over the int8 pool and its scales, and give the per-layer path's
+    tokens and logprobs exactly."""
+    from tests.cloud.engine.conftest import decodes_through_the_run
+    from tests.cloud.engine.test_model import PROMPT
+
+    engine = LLMEngine(EngineConfig(model_path=gguf_path, kv_cache_dtype="int8", kv_cache_bytes=32 << 20,
+                                    max_num_seqs=4))
+    if engine.runner.model.layer_stack is None:
+        pytest.skip("this host's default engine has no run of layers in one call (neither GEMM kernel compiles here)")
+    assert engine.runner.kv_pool.dtype == torch.int8 and engine.runner.kv_caches[0].scales is not None
+    fused, layered, calls = decodes_through_the_run(engine, [PROMPT, "Queen present", "Hive 3 lost weight"], 16,
+                                                    monkeypatch)
+    assert calls >= 12
+    assert [(o.output_token_ids, o.logprobs) for o in fused] == [(o.output_token_ids, o.logprobs) for o in layered]
