@@ -68,17 +68,65 @@ def parse_cfs(quota: str, period: str) -> float | None:
     return q / p if q > 0 and p > 0 else None
 
 
-def cgroup_cpu_limit(root: Path = CGROUP_ROOT) -> float | None:
-    """The CPU quota of this process's cgroup in CPUs (v2 ``cpu.max``, else v1 CFS files), None if unlimited."""
+def own_cgroups(membership: str) -> list[tuple[str, str]]:
+    """``/proc/self/cgroup`` text -> ``(hierarchy, path)`` of this process's cgroups that can hold a CPU quota:
+    ``("v2", path)`` for the unified hierarchy, ``(controllers, path)`` (e.g. ``"cpu,cpuacct"``) for a v1 one with
+    the ``cpu`` controller. Lines of other controllers, and malformed ones, are left out."""
+    found = []
+    for line in membership.splitlines():
+        parts = line.strip().split(":", 2)
+        if len(parts) != 3 or not parts[2].startswith("/"):
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and controllers == "":
+            found.append(("v2", path))
+        elif "cpu" in controllers.split(","):
+            found.append((controllers, path))
+    return found
+
+
+def _up_from(mount: Path, path: str) -> list[Path]:
+    """``mount`` joined with ``path`` and each of its ancestors up to ``mount`` itself: a limit set on any of them
+    applies to the process."""
+    parts = [p for p in path.split("/") if p and p not in (".", "..")]
+    return [mount.joinpath(*parts[:n]) for n in range(len(parts), -1, -1)]
+
+
+def _limit_in(folder: Path, v2: bool) -> float | None:
+    """The quota that ``folder``'s own files set (v2 ``cpu.max``, v1 CFS files), None where none is set or readable."""
     try:
-        if (root / "cpu.max").is_file():
-            return parse_cpu_max((root / "cpu.max").read_text())
-        v1 = root / "cpu"
-        if (v1 / "cpu.cfs_quota_us").is_file():
-            return parse_cfs((v1 / "cpu.cfs_quota_us").read_text(), (v1 / "cpu.cfs_period_us").read_text())
+        if v2:
+            return parse_cpu_max((folder / "cpu.max").read_text()) if (folder / "cpu.max").is_file() else None
+        if (folder / "cpu.cfs_quota_us").is_file():
+            return parse_cfs((folder / "cpu.cfs_quota_us").read_text(), (folder / "cpu.cfs_period_us").read_text())
     except (OSError, ValueError):
         pass
     return None
+
+
+def cgroup_cpu_limit(root: Path = CGROUP_ROOT, membership: str | None = None) -> float | None:
+    """The CPU quota this process runs under, in CPUs: the smallest limit set on its own cgroup or any ancestor, in
+    the unified hierarchy (v2 ``cpu.max``) and the v1 ``cpu`` one (CFS files); None where none is set or readable.
+
+    Why its own cgroup and not only the mount's root: a container with a cgroup namespace sees its cgroup at the
+    root, but a systemd unit with ``CPUQuota=``, a job placed in a child cgroup, or a container without a namespace
+    has its limit at the path ``/proc/self/cgroup`` (``membership``) names, where the root's files say "no limit"
+    (found by a drill: a process in a v1 child cgroup with a one-CPU quota was given two threads and reported no
+    quota). The root's own files are always read too (a namespaced container's limit lives there)."""
+    if membership is None:
+        try:
+            membership = Path("/proc/self/cgroup").read_text()
+        except OSError:
+            membership = ""
+    folders: list[tuple[Path, bool]] = [(root, True), (root / "cpu", False)]
+    for hierarchy, path in own_cgroups(membership):
+        if hierarchy == "v2":
+            folders += [(f, True) for f in _up_from(root, path)]
+        else:
+            for mount in dict.fromkeys((root / "cpu", root / hierarchy)):
+                folders += [(f, False) for f in _up_from(mount, path)]
+    limits = [limit for folder, v2 in dict.fromkeys(folders) if (limit := _limit_in(folder, v2)) is not None]
+    return min(limits) if limits else None
 
 
 def affinity_cpus() -> int:

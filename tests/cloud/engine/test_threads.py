@@ -21,16 +21,92 @@ def test_cgroup_quota_files_parse_to_cpus() -> None:
     assert threads.parse_cfs("50000\n", "100000\n") == 0.5
 
 
-def test_cgroup_limit_reads_v2_then_v1(tmp_path: Path) -> None:
-    assert threads.cgroup_cpu_limit(tmp_path) is None  # neither file: no limit known
+def test_cgroup_limit_is_the_smallest_readable_at_the_mount_root(tmp_path: Path) -> None:
+    at_root = "0::/\n1:cpu,cpuacct:/\n"  # a process whose cgroups are the mounts' roots (a namespaced container)
+    assert threads.cgroup_cpu_limit(tmp_path, at_root) is None  # neither file: no limit known
     (tmp_path / "cpu").mkdir()
     (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("300000\n")
     (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
-    assert threads.cgroup_cpu_limit(tmp_path) == 3.0
+    assert threads.cgroup_cpu_limit(tmp_path, at_root) == 3.0
     (tmp_path / "cpu.max").write_text("100000 100000\n")
-    assert threads.cgroup_cpu_limit(tmp_path) == 1.0
-    (tmp_path / "cpu.max").write_text("garbage\n")
-    assert threads.cgroup_cpu_limit(tmp_path) is None
+    assert threads.cgroup_cpu_limit(tmp_path, at_root) == 1.0
+    (tmp_path / "cpu.max").write_text("garbage\n")  # unreadable: left out, the other limit still holds
+    assert threads.cgroup_cpu_limit(tmp_path, at_root) == 3.0
+    assert threads.cgroup_cpu_limit(tmp_path, "") == 3.0  # /proc/self/cgroup unreadable: the roots' files
+
+
+def test_cgroup_limit_is_read_where_proc_self_cgroup_puts_the_process(tmp_path: Path) -> None:
+    """A systemd unit or a child cgroup: the limit is on the process's own cgroup or an ancestor, not on the root."""
+    unit = tmp_path / "system.slice" / "apiary.service"
+    unit.mkdir(parents=True)
+    (tmp_path / "system.slice" / "cpu.max").write_text("400000 100000\n")  # the slice's limit applies to the unit
+    membership = "0::/system.slice/apiary.service\n"
+    assert threads.cgroup_cpu_limit(tmp_path, membership) == 4.0
+    (unit / "cpu.max").write_text("max 100000\n")
+    assert threads.cgroup_cpu_limit(tmp_path, membership) == 4.0  # "max" on the unit lifts nothing above it
+    (unit / "cpu.max").write_text("150000 100000\n")
+    assert threads.cgroup_cpu_limit(tmp_path, membership) == 1.5
+    # v1: the cpu controller mounted alone or with cpuacct, the process in a child cgroup
+    for mount in ("cpu", "cpu,cpuacct"):
+        job = tmp_path / mount / "jobs" / "7"
+        job.mkdir(parents=True)
+        (job / "cpu.cfs_quota_us").write_text("50000\n")
+        (job / "cpu.cfs_period_us").write_text("100000\n")
+        assert threads.cgroup_cpu_limit(tmp_path, "4:cpu,cpuacct:/jobs/7\n3:memory:/jobs/7\n") == 0.5
+        (job / "cpu.cfs_quota_us").unlink()
+    assert threads.cgroup_cpu_limit(tmp_path, "4:memory:/jobs/7\n") is None  # no cpu controller: no CPU limit
+
+
+def test_own_cgroups_keep_cpu_hierarchies_and_skip_malformed_lines() -> None:
+    text = "12:memory:/a\n4:cpu,cpuacct:/a/b\n0::/user.slice/x\nbroken\n5:cpuset:/a\n6:cpu:relative\n"
+    assert threads.own_cgroups(text) == [("cpu,cpuacct", "/a/b"), ("v2", "/user.slice/x")]
+    assert threads._up_from(Path("/m"), "/a/../b") == [Path("/m/a/b"), Path("/m/a"), Path("/m")]
+
+
+def _child_cgroup_with_quota(quota_us: int) -> Path | None:
+    """A fresh v1 ``cpu`` cgroup under the mount's root with ``quota_us`` per 100 ms, or None where this process
+    cannot make one (not root, cgroup v2 only, a read-only cgroup fs)."""
+    mount = threads.CGROUP_ROOT / "cpu"
+    if not (mount / "cpu.cfs_quota_us").is_file() or not os.access(mount, os.W_OK):
+        return None
+    child = mount / f"apiary-test-{os.getpid()}"
+    try:
+        child.mkdir()
+        (child / "cpu.cfs_period_us").write_text("100000")
+        (child / "cpu.cfs_quota_us").write_text(str(quota_us))
+    except OSError:
+        if child.is_dir():
+            child.rmdir()
+        return None
+    return child
+
+
+def test_an_engine_started_inside_a_quota_cgroup_takes_its_threads_from_the_quota(tiny_llama: Path) -> None:
+    """The drill that found the bug, as a test: a fresh interpreter placed in a child cgroup limited to one CPU
+    loads an engine and generates; its threads and its report follow the quota (before: two threads, "no quota")."""
+    import json
+    import subprocess
+    import sys
+
+    if threads.affinity_cpus() < 2:
+        pytest.skip("needs at least 2 CPUs in the affinity mask to tell the quota from the affinity")
+    child = _child_cgroup_with_quota(100_000)
+    if child is None:
+        pytest.skip("cannot create a v1 cpu cgroup here (needs root and cgroup v1's cpu controller mounted writable)")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")}
+    code = ("import json, torch; from apiary.cloud.engine import EngineConfig, LLMEngine, SamplingParams, threads; "
+            f"e = LLMEngine(EngineConfig(model_path={str(tiny_llama)!r}, kv_cache_bytes=1 << 20)); "
+            "out = e.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True)); "
+            "print(json.dumps([torch.get_num_threads(), threads.STATE.quota, len(out[0].output_token_ids), "
+            "threads.report()]))")
+    try:
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                              preexec_fn=lambda: (child / "cgroup.procs").write_text(str(os.getpid())))
+    finally:
+        child.rmdir()
+    torch_threads, quota, n, line = json.loads(done.stdout.splitlines()[-1])
+    assert (torch_threads, quota, n) == (1, 1.0, 4)
+    assert line.startswith("1 threads") and "cgroup quota 1 CPUs" in line
 
 
 def test_threads_are_the_affinity_capped_by_the_quota_rounded_down() -> None:
