@@ -35,7 +35,10 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from apiary.kernels import numba_cache
 from apiary.kernels.errors import KernelError
+
+numba_cache.guard_disk_errors()  # every numba kernel module imports this one first
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32, torch.int8)
 _NO_SCALES = np.ones((1, 1, 1), np.float32)  # float caches: the kernel never reads it

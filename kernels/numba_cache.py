@@ -11,9 +11,17 @@ under the temporary directory; where none can be written it raises a ``KernelErr
 
 A folder under the shared temporary directory is used only if this user owns it and no one else may write to it:
 numba's cache index is a pickle, and loading one that another user planted would run their code.
+
+``guard_disk_errors`` (installed by ``cpu_attention``, which every numba kernel module imports first) makes the
+disk cache a cache: with the folder's disk full, numba compiled a kernel and then raised ``ENOSPC`` out of its first
+call, and a truncated or unreadable entry raised out of its load (drills: docs/kernels.md). Now an entry it cannot
+write stays in memory (compiled again by the next process) and one it cannot read is compiled afresh and
+rewritten, each with a warning.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import stat
@@ -74,3 +82,41 @@ def ensure(sources: Path = SOURCES, env: MutableMapping[str, str] | None = None,
             return folder
     raise KernelError(f"numba cannot cache the CPU kernels: {sources / '__pycache__'} takes no files and neither does "
                       f"any of {', '.join(map(str, candidates))}; set NUMBA_CACHE_DIR to a writable folder")
+
+
+@functools.cache
+def _warn(action: str, where: str, error: str) -> None:
+    """One warning per kind of failure and cache folder, not one per kernel."""
+    log.warning("numba could not %s its compiled kernels in %s (%s): %s", action, where, error,
+                "they stay in memory and compile again in the next process" if action == "write"
+                else "the kernel is compiled afresh and its entry rewritten")
+
+
+def guard_disk_errors() -> None:
+    """Make failures of numba's disk cache cost a compilation instead of the kernel's call (idempotent)."""
+    from numba.core import caching
+
+    if getattr(caching.Cache, "_apiary_guarded", False):
+        return
+    load, save = caching.Cache.load_overload, caching.Cache.save_overload
+
+    def load_overload(self, sig, target_context):  # type: ignore[no-untyped-def]
+        try:
+            return load(self, sig, target_context)
+        except Exception as e:  # noqa: BLE001 - a truncated, foreign or unreadable entry: pickle, EOF, OS errors
+            index = getattr(getattr(self, "_cache_file", None), "_index_path", None)
+            if index is not None:  # a corrupt index would fail the save too: the save writes a new one
+                with contextlib.suppress(OSError):
+                    os.remove(index)
+            _warn("read", str(getattr(self, "_cache_path", "?")), f"{type(e).__name__}: {e}")
+            return None
+
+    def save_overload(self, sig, data):  # type: ignore[no-untyped-def]
+        try:
+            save(self, sig, data)
+        except Exception as e:  # noqa: BLE001 - a full disk, a read-only folder, a vanished one
+            _warn("write", str(getattr(self, "_cache_path", "?")), f"{type(e).__name__}: {e}")
+
+    caching.Cache.load_overload = load_overload
+    caching.Cache.save_overload = save_overload
+    caching.Cache._apiary_guarded = True
