@@ -99,9 +99,10 @@ def test_an_engine_started_inside_a_quota_cgroup_takes_its_threads_from_the_quot
             "out = e.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True)); "
             "print(json.dumps([torch.get_num_threads(), threads.STATE.quota, len(out[0].output_token_ids), "
             "threads.report()]))")
+    env["CODE"] = code  # the shell joins the cgroup, then becomes the interpreter
     try:
-        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
-                              preexec_fn=lambda: (child / "cgroup.procs").write_text(str(os.getpid())))
+        done = subprocess.run(["sh", "-c", f'echo $$ > {child / "cgroup.procs"} && exec {sys.executable} -c "$CODE"'],
+                              env=env, capture_output=True, text=True, check=True)
     finally:
         child.rmdir()
     torch_threads, quota, n, line = json.loads(done.stdout.splitlines()[-1])
