@@ -142,6 +142,7 @@ def smoothing(act_absmax: torch.Tensor, weight: torch.Tensor, alpha: float = DEF
 # real; "fast" is within PROBE_SLOWDOWN of float32's F.linear on the same shape.
 PROBE_SHAPE = (64, 256, 512)  # rows, in, out
 PROBE_SLOWDOWN = 4.0  # measured: JIT int8 GEMMs 0.2-1.1x F.linear at this size; reference kernels > 100x
+PROBE_ROUNDS = 5  # a candidate that looks slow is measured again beside float32, up to this many times
 ACTIVATION_ZERO_POINT = 128  # oneDNN's fast x86 kernels take u8 activations: q + 128, a zero point it subtracts
 WEIGHT_QMAX = (127, 63)  # tried in order: 8-bit weights, then 7-bit ones (u8 x s7 pairs fit int16)
 
@@ -177,6 +178,24 @@ def _best_ms(fn, repeats: int = 3) -> float:
     return min(times)
 
 
+def _keeps_up(fn, baseline, baseline_ms: float) -> tuple[bool, float]:  # type: ignore[no-untyped-def]
+    """Whether ``fn`` runs within ``PROBE_SLOWDOWN`` of float32's ``baseline`` (which took ``baseline_ms``), and its
+    best time.
+
+    Why rounds: the verdict holds for the process's life, and a measurement taken while other processes held the CPU
+    came out 100x slow (the test suite, once: every int8 kernel ~12 ms against float32's 0.12 ms, and the engine
+    refused int8 weights). A candidate that looks slow is measured again right after the baseline, up to
+    ``PROBE_ROUNDS`` times, and the best ratio of such pairs decides; a reference kernel stays > 100x in every round."""
+    ms = _best_ms(fn)
+    ratio = ms / baseline_ms
+    for _ in range(PROBE_ROUNDS):
+        if ratio <= PROBE_SLOWDOWN:
+            break
+        base, again = _best_ms(baseline), _best_ms(fn)
+        ratio, ms = min(ratio, again / base), min(ms, again)
+    return ratio <= PROBE_SLOWDOWN, ms
+
+
 @functools.cache
 def gemm_choice() -> GemmChoice:
     """The engine's int8 GEMM: the grouped kernel where it is exact and fast next to float32, else what
@@ -187,15 +206,15 @@ def gemm_choice() -> GemmChoice:
             return GemmChoice("grouped", (), "; ".join(seen))
     else:
         seen.append("no grouped int8 kernel here (it needs numba and AVX2 or AVX-512 VNNI)")
-    return _probe_per_token(g, x, xf, float_ms, seen)
+    return _probe_per_token(g, x, xf, wf, float_ms, seen)
 
 
 @functools.cache
 def per_token_choice() -> GemmChoice:
     """The GEMM and weight width of the per-token path (``Int8Linear``), probed on its own: where the grouped
     kernel runs, ``gemm_choice`` never looks at oneDNN, whose u8 x s8 pair sums need 7-bit weights without VNNI."""
-    g, x, xf, _, float_ms, seen = _probe_inputs()
-    return _probe_per_token(g, x, xf, float_ms, seen)
+    g, x, xf, wf, float_ms, seen = _probe_inputs()
+    return _probe_per_token(g, x, xf, wf, float_ms, seen)
 
 
 def _probe_inputs() -> tuple[torch.Generator, torch.Tensor, torch.Tensor, torch.Tensor, float, list[str]]:
@@ -208,7 +227,8 @@ def _probe_inputs() -> tuple[torch.Generator, torch.Tensor, torch.Tensor, torch.
     return g, x, xf, wf, float_ms, [f"float32 F.linear {float_ms:.2f} ms at {rows}x{k}x{n}"]
 
 
-def _probe_per_token(g: torch.Generator, x: torch.Tensor, xf: torch.Tensor, float_ms: float, seen: list[str]) -> GemmChoice:
+def _probe_per_token(g: torch.Generator, x: torch.Tensor, xf: torch.Tensor, wf: torch.Tensor, float_ms: float,
+                     seen: list[str]) -> GemmChoice:
     """oneDNN's int8 linear (per output dtype), then ``torch._int_mm``, with 8-bit weights and then 7-bit ones:
     the first exact one that keeps up with float32."""
     rows, k, n = PROBE_SHAPE
@@ -230,12 +250,12 @@ def _probe_per_token(g: torch.Generator, x: torch.Tensor, xf: torch.Tensor, floa
                 if not ok:  # e.g. int16 saturation in a kernel without VNNI
                     seen.append(f"{name}, {bits}: inexact")
                     return False
-                ms = _best_ms(fn)
+                keeps_up, ms = _keeps_up(fn, lambda: F.linear(xf, wf), float_ms)
             except RuntimeError as e:  # a build or CPU the op refuses
                 seen.append(f"{name}, {bits}: failed ({str(e).splitlines()[0][:80]})")
                 return False
             seen.append(f"{name}, {bits}: {ms:.2f} ms")
-            return ms <= PROBE_SLOWDOWN * float_ms
+            return keeps_up
 
         onednn_out: list[torch.dtype] = []
         if has_onednn:
@@ -261,13 +281,14 @@ def _grouped_is_fast(x: torch.Tensor, w: torch.Tensor, float_ms: float, seen: li
         packed = ops.pack_grouped_int8(w)
         got = ops.grouped_int8_linear(x, packed)
         exact = torch.allclose(got.double(), ops.grouped_int8_reference(x, packed), rtol=1e-5, atol=1e-3)
-        ms = _best_ms(lambda: ops.grouped_int8_linear(x, packed)) if exact else float("inf")
+        keeps_up, ms = (_keeps_up(lambda: ops.grouped_int8_linear(x, packed), lambda: F.linear(x, w), float_ms)
+                        if exact else (False, float("inf")))
     except Exception as e:  # noqa: BLE001 - a kernel that fails to compile or run here is simply not chosen
         seen.append(f"grouped int8 kernel failed ({str(e).splitlines()[0][:80]})")
         return False
     kernel = f"grouped int8 kernel ({ops.grouped_int8_kernel()})"
     seen.append(f"{kernel}: {ms:.2f} ms" if exact else f"{kernel}: inexact")
-    return ms <= PROBE_SLOWDOWN * float_ms
+    return keeps_up
 
 
 def require_fast_gemm(choice: GemmChoice | None = None) -> str:
