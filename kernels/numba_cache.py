@@ -21,7 +21,6 @@ rewritten, each with a warning.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import stat
@@ -84,11 +83,17 @@ def ensure(sources: Path = SOURCES, env: MutableMapping[str, str] | None = None,
                       f"any of {', '.join(map(str, candidates))}; set NUMBA_CACHE_DIR to a writable folder")
 
 
-@functools.cache
-def _warn(action: str, where: str, error: str) -> None:
-    """One warning per kind of failure and cache folder, not one per kernel."""
-    log.warning("numba could not %s its compiled kernels in %s (%s): %s", action, where, error,
-                "they stay in memory and compile again in the next process" if action == "write"
+_WARNED: set[tuple[str, str, str]] = set()
+
+
+def _warn(action: str, where: str, error: Exception) -> None:
+    """One warning per kind of failure and cache folder, not one per kernel (an error's text names its file)."""
+    key = (action, where, type(error).__name__)
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    log.warning("numba could not %s its compiled kernels in %s (%s: %s): %s", action, where, type(error).__name__,
+                error, "they stay in memory and compile again in the next process" if action == "write"
                 else "the kernel is compiled afresh and its entry rewritten")
 
 
@@ -108,14 +113,14 @@ def guard_disk_errors() -> None:
             if index is not None:  # a corrupt index would fail the save too: the save writes a new one
                 with contextlib.suppress(OSError):
                     os.remove(index)
-            _warn("read", str(getattr(self, "_cache_path", "?")), f"{type(e).__name__}: {e}")
+            _warn("read", str(getattr(self, "_cache_path", "?")), e)
             return None
 
     def save_overload(self, sig, data):  # type: ignore[no-untyped-def]
         try:
             save(self, sig, data)
         except Exception as e:  # noqa: BLE001 - a full disk, a read-only folder, a vanished one
-            _warn("write", str(getattr(self, "_cache_path", "?")), f"{type(e).__name__}: {e}")
+            _warn("write", str(getattr(self, "_cache_path", "?")), e)
 
     caching.Cache.load_overload = load_overload
     caching.Cache.save_overload = save_overload
